@@ -1,0 +1,6 @@
+"""Convert HF / z-lab checkpoints (safetensors, or PyTorch with the torch extra) to orbax."""
+
+from convert.checkpoint_reader import ConversionError
+from convert.hf_to_nnx import convert_checkpoint, model_from_hf
+
+__all__ = ["ConversionError", "convert_checkpoint", "model_from_hf"]

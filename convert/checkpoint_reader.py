@@ -1,0 +1,103 @@
+"""Read the tensors of a HF checkpoint folder, lazily and by name, without torch when possible.
+
+Formats: `model.safetensors`, sharded safetensors (`model.safetensors.index.json`), and, with
+the `torch` extra, `pytorch_model.bin` (sharded or not) or a single `.pt` state dict. Shapes
+are known before any tensor is read, so the converter can refuse a mismatch without loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the tensor or file at fault."""
+
+
+class TensorSource:
+    """name -> shape and name -> array (jax or numpy), over every file of one checkpoint."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], getter):
+        self.shapes = shapes
+        self._get = getter
+
+    def get(self, name: str):
+        return self._get(name)
+
+
+def open_checkpoint(model_dir: str | Path) -> TensorSource:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return _safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))])
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return _safetensors_source(files)
+    torch_files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.pt"))
+    if torch_files:
+        return _torch_source(torch_files)
+    raise ConversionError(
+        f"no weights found in {model_dir}: expected *.safetensors, "
+        "model.safetensors.index.json, pytorch_model*.bin or *.pt."
+    )
+
+
+def _safetensors_source(files: list[Path]) -> TensorSource:
+    from safetensors import SafetensorError, safe_open
+
+    handles, shapes, owner = [], {}, {}
+    for path in files:
+        if not path.is_file():
+            raise ConversionError(f"{path} is listed in the index but does not exist.")
+        try:
+            handle = safe_open(str(path), framework="flax")
+        except SafetensorError as err:
+            raise ConversionError(
+                f"{path.name} is truncated or corrupt ({err}); download or export it again."
+            ) from err
+        handles.append(handle)
+        for name in handle.keys():
+            shapes[name] = tuple(handle.get_slice(name).get_shape())
+            owner[name] = handle
+
+    def get(name):
+        try:
+            return owner[name].get_tensor(name)
+        except Exception as err:  # safetensors raises its own error types here
+            raise ConversionError(f"cannot read tensor {name!r}: {err}") from err
+
+    return TensorSource(shapes, get)
+
+
+def _torch_source(files: list[Path]) -> TensorSource:
+    try:
+        import torch
+    except ImportError as err:
+        raise ConversionError(
+            f"{files[0].name} is a PyTorch checkpoint; install the torch extra "
+            "(pip install 'dflash-jax[torch]') or convert it to safetensors."
+        ) from err
+    state = {}
+    for path in files:
+        try:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as err:  # torch raises many types for a bad file
+            raise ConversionError(f"{path.name} is not a readable PyTorch state dict ({err}).") from err
+
+    def get(name):
+        tensor = state[name]
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: go through float32 (exact)
+            import ml_dtypes
+
+            return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+        return tensor.numpy()
+
+    return TensorSource({name: tuple(t.shape) for name, t in state.items()}, get)
+
+
+def dtype_name(array) -> str:
+    return np.dtype(array.dtype).name

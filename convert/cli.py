@@ -1,0 +1,29 @@
+"""`dflash-jax convert HF_DIR OUT_DIR`: the conversion subcommand."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from convert.hf_to_nnx import convert_checkpoint
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a HF target or z-lab DFlash drafter folder to an orbax checkpoint",
+        description="Convert a HF folder (config.json + safetensors, or .bin/.pt with the torch "
+        "extra) to an orbax checkpoint. Target or drafter is read from config.json's architectures.",
+    )
+    parser.add_argument("hf_dir", type=Path, help="HF model folder")
+    parser.add_argument("out_dir", type=Path, help="output folder (must not exist unless --force)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg, dtype = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=True)
+    print(f"wrote {cfg.kind} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {dtype}) to {args.out_dir}")

@@ -1,0 +1,142 @@
+"""HF checkpoint folder -> NNX model, and -> orbax folder (atomically).
+
+Every tensor is checked before it is placed: a missing or unexpected name, or a shape that
+differs from the model the config describes, stops the conversion with the tensor's name.
+The orbax folder is written under a temporary name beside OUT_DIR and renamed at the end, so a
+failure leaves nothing behind and an existing OUT_DIR is replaced only when asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
+
+from convert.checkpoint_reader import ConversionError, open_checkpoint
+from convert.weight_map import drafter_ignored, drafter_rules, target_ignored, target_rules
+from dflash_jax.checkpoint import abstract_model, model_from_params, save_checkpoint
+from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
+
+# Files copied next to the converted weights when present: tokenizer and generation defaults.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
+    """(raw config, model) from a HF folder; `dtype` None keeps the checkpoint's dtype."""
+    hf_dir = Path(hf_dir)
+    raw_config = read_config_json(hf_dir)
+    cfg = parse_config(raw_config)
+    source = open_checkpoint(hf_dir)
+    shapes = dict(source.shapes)
+    aliases = {}
+    if isinstance(cfg, DrafterConfig):
+        # Drafter tensors may carry a `model.` prefix; map both spellings to the plain name.
+        aliases = {name.removeprefix("model."): name for name in shapes}
+        shapes = {name.removeprefix("model."): shape for name, shape in shapes.items()}
+        cfg, raw_config = _resolve_fc_width(cfg, raw_config, shapes)
+        rules, ignored = drafter_rules(cfg), drafter_ignored
+    else:
+        rules, ignored = target_rules(cfg), target_ignored
+
+    expected = {rule.hf_name for rule in rules}
+    unexpected = sorted(n for n in shapes if n not in expected and not ignored(cfg, n))
+    if unexpected:
+        raise ConversionError(
+            f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for {type(cfg).__name__} "
+            "with this config.json; check that config and weights belong together."
+        )
+    missing = [rule.hf_name for rule in rules if rule.hf_name not in shapes]
+    if missing:
+        raise ConversionError(f"missing tensor {missing[0]!r} ({len(missing)} in all) in {hf_dir}.")
+
+    if dtype is None:
+        dtype = source.get(aliases.get(rules[0].hf_name, rules[0].hf_name)).dtype
+    dtype = jnp.dtype(dtype)
+    abstract_params = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype), nnx.Param))
+    for rule in rules:
+        want = _leaf(abstract_params, rule.path).shape
+        want_hf = tuple(reversed(want)) if rule.transpose else tuple(want)
+        if tuple(shapes[rule.hf_name]) != want_hf:
+            raise ConversionError(
+                f"shape mismatch for {rule.hf_name!r}: expected {list(want_hf)}, "
+                f"got {list(shapes[rule.hf_name])}."
+            )
+
+    params: dict[str, Any] = {}
+    for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
+        array = jnp.asarray(source.get(aliases.get(rule.hf_name, rule.hf_name)))
+        array = array.T if rule.transpose else array
+        _set_leaf(params, rule.path, array.astype(dtype))
+    return raw_config, model_from_params(cfg, dtype, params)
+
+
+def convert_checkpoint(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype=None, force: bool = False, progress: bool = False
+) -> tuple[TargetConfig | DrafterConfig, jnp.dtype]:
+    """Convert `hf_dir` into an orbax folder at `out_dir`; returns (config, dtype written)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ConversionError(f"{out_dir} already exists; pass --force to replace it.")
+    raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        written = staging / "model"
+        save_checkpoint(model, raw_config, written)
+        for name in SIDE_FILES:
+            if (Path(hf_dir) / name).is_file():
+                shutil.copy2(Path(hf_dir) / name, written / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        written.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return model.cfg, model.dtype
+
+
+def _resolve_fc_width(cfg: DrafterConfig, raw_config: dict, shapes: dict):
+    """`fc` input width = len(target_layer_ids) * target hidden size: infer or check it."""
+    fc_shape = shapes.get("fc.weight")
+    if fc_shape is None or len(fc_shape) != 2:
+        return cfg, raw_config
+    width, n = fc_shape[1], len(cfg.target_layer_ids)
+    if width % n:
+        raise ConversionError(
+            f"fc.weight takes {width} inputs, not a multiple of len(target_layer_ids) = {n}; "
+            "the drafter's target_layer_ids do not match its weights."
+        )
+    if width == cfg.fc_in_features:
+        return cfg, raw_config
+    if "target_hidden_size" in raw_config or "target_hidden_size" in raw_config.get("dflash_config", {}):
+        raise ConversionError(
+            f"fc.weight takes {width} inputs but len(target_layer_ids) * target_hidden_size = "
+            f"{n} * {cfg.target_hidden_size} = {cfg.fc_in_features}; fix the drafter's config.json."
+        )
+    raw_config = json.loads(json.dumps(raw_config))
+    raw_config.setdefault("dflash_config", {})["target_hidden_size"] = width // n
+    return dataclasses.replace(cfg, target_hidden_size=width // n), raw_config
+
+
+def _leaf(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_leaf(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value

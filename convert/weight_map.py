@@ -1,0 +1,86 @@
+"""HF tensor name -> parameter path tables, one per model family.
+
+Each rule says where a HF tensor goes in the NNX parameter tree and whether it is a PyTorch
+`Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels). Shapes are checked
+against the model built from the config, so the tables hold no shapes of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from dflash_jax.config import DrafterConfig, TargetConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    hf_name: str
+    path: tuple[str | int, ...]
+    transpose: bool
+
+
+# Buffers some exporters save next to the weights; they carry no learned values.
+IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _linear(hf_prefix: str, path: tuple, *, bias: bool) -> list[WeightRule]:
+    rules = [WeightRule(f"{hf_prefix}.weight", (*path, "kernel"), True)]
+    if bias:
+        rules.append(WeightRule(f"{hf_prefix}.bias", (*path, "bias"), False))
+    return rules
+
+
+def _norm(hf_prefix: str, path: tuple) -> WeightRule:
+    return WeightRule(f"{hf_prefix}.weight", (*path, "weight"), False)
+
+
+def _decoder_layer(hf: str, path: tuple, *, attention_bias: bool, mlp_bias: bool, qk_norm: bool):
+    rules = [
+        _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
+        _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
+    ]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        rules += _linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", proj), bias=attention_bias)
+    if qk_norm:
+        rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        rules += _linear(f"{hf}.mlp.{proj}", (*path, "mlp", proj), bias=mlp_bias)
+    return rules
+
+
+def target_rules(cfg: TargetConfig) -> list[WeightRule]:
+    """`Qwen3ForCausalLM` / `LlamaForCausalLM` names (`model.` prefix, `lm_head` unless tied)."""
+    rules = [WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
+    for i in range(cfg.num_layers):
+        rules += _decoder_layer(
+            f"model.layers.{i}",
+            ("layers", i),
+            attention_bias=cfg.attention_bias,
+            mlp_bias=cfg.mlp_bias,
+            qk_norm=cfg.qk_norm,
+        )
+    rules.append(_norm("model.norm", ("norm",)))
+    if not cfg.tie_word_embeddings:
+        rules += _linear("lm_head", ("lm_head",), bias=False)
+    return rules
+
+
+def target_ignored(cfg: TargetConfig, name: str) -> bool:
+    """A tied model may still ship `lm_head.weight` (a copy of the embedding): not used."""
+    return bool(IGNORED_TENSORS.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:
+    """z-lab DFlash-1 names (spec section 3), unprefixed; callers strip an optional `model.`."""
+    rules = _linear("fc", ("fc",), bias=False) + [_norm("hidden_norm", ("hidden_norm",))]
+    for i in range(cfg.num_layers):
+        rules += _decoder_layer(
+            f"layers.{i}", ("layers", i), attention_bias=cfg.attention_bias, mlp_bias=False, qk_norm=True
+        )
+    rules.append(_norm("norm", ("norm",)))
+    return rules
+
+
+def drafter_ignored(cfg: DrafterConfig, name: str) -> bool:
+    return bool(IGNORED_TENSORS.search(name))

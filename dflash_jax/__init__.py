@@ -1,0 +1,18 @@
+"""dflash-jax: DFlash block speculative decoding in JAX, Flax NNX and Pallas."""
+
+from dflash_jax.checkpoint import load_drafter, load_target
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.dense import draft_logits, target_forward
+from dflash_jax.models import Drafter, Target
+
+__all__ = [
+    "ConfigError",
+    "Drafter",
+    "DrafterConfig",
+    "Target",
+    "TargetConfig",
+    "draft_logits",
+    "load_drafter",
+    "load_target",
+    "target_forward",
+]

@@ -1,0 +1,100 @@
+"""orbax checkpoints of the models, and `load_target` / `load_drafter`.
+
+A converted folder holds the HF `config.json` (verbatim, the source of truth for the
+architecture), `dflash_jax.json` (kind, dtype, format version) and `params/` (an orbax
+checkpoint of the parameters as a plain nested dict). Loading builds the model abstractly from
+the config (no allocation), restores into it and merges: parameters are read exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_config, read_config_json
+from dflash_jax.models import Drafter, Target
+
+FORMAT_FILE = "dflash_jax.json"
+FORMAT_VERSION = 1
+PARAMS_DIR = "params"
+
+
+def abstract_model(cfg: TargetConfig | DrafterConfig, dtype) -> Target | Drafter:
+    model_class = Target if isinstance(cfg, TargetConfig) else Drafter
+    return nnx.eval_shape(lambda: model_class(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def model_from_params(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
+    """Merge a nested dict of arrays (the `nnx.to_pure_dict` layout) into a fresh model."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def save_checkpoint(model: Target | Drafter, raw_config: dict[str, Any], out_dir: str | Path) -> None:
+    """Write `model` to `out_dir` (which must not exist: callers make it atomic)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2))
+    meta = {"format": FORMAT_VERSION, "kind": model.cfg.kind, "dtype": jnp.dtype(model.dtype).name}
+    (out_dir / FORMAT_FILE).write_text(json.dumps(meta, indent=2))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((out_dir / PARAMS_DIR).absolute(), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    checkpointer.wait_until_finished()
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / FORMAT_FILE).is_file()
+
+
+def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
+    """A model from an orbax folder written by `save_checkpoint`, cast to `dtype` if given."""
+    path = Path(path)
+    meta = json.loads((path / FORMAT_FILE).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{path} has checkpoint format {meta.get('format')}, this version reads "
+            f"{FORMAT_VERSION}; convert the HF checkpoint again."
+        )
+    cfg = parse_config(read_config_json(path))
+    stored_dtype = jnp.dtype(meta["dtype"])
+    target_dtype = stored_dtype if dtype is None else jnp.dtype(dtype)
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, stored_dtype), nnx.Param)
+    abstract_params = nnx.to_pure_dict(abstract_state)
+    params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
+    params = jax.tree.map(lambda x: x.astype(target_dtype), params)
+    return model_from_params(cfg, target_dtype, params)
+
+
+def load_model(path: str | Path, dtype=None) -> Target | Drafter:
+    """An orbax folder written by the converter, or a HF folder converted on the fly."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder; give a converted or a HF model folder.")
+    if is_orbax_checkpoint(path):
+        return load_checkpoint(path, dtype)
+    from convert.hf_to_nnx import model_from_hf
+
+    return model_from_hf(path, dtype)[1]
+
+
+def load_target(path: str | Path, dtype=None) -> Target:
+    """The target model at `path` (orbax or HF folder); `dtype` None keeps the stored dtype."""
+    model = load_model(path, dtype)
+    if not isinstance(model, Target):
+        raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")
+    return model
+
+
+def load_drafter(path: str | Path, dtype=None) -> Drafter:
+    """The DFlash drafter at `path` (orbax or HF folder); `dtype` None keeps the stored dtype."""
+    model = load_model(path, dtype)
+    if not isinstance(model, Drafter):
+        raise ConfigError(f"{path} holds a target, not a drafter; use load_target for it.")
+    return model

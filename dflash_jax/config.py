@@ -1,0 +1,332 @@
+"""Model configs: frozen dataclasses parsed and validated from HF `config.json`.
+
+Everything the models and the runtime need is resolved here, once, so that the rest of the
+code never looks at a raw dict: RoPE parameters (`rope_parameters` or the older
+`rope_theta` + `rope_scaling`), the drafter's `dflash_config` fields wherever a checkpoint put
+them, the per-layer attention rules (causal or not, window or not) and the default target
+layer ids. What the project cannot run is refused with one sentence saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A config.json the project cannot use; the message says what and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Neox-style RoPE parameters; `scaling` holds the HF scaling dict minus type/theta."""
+
+    theta: float
+    rope_type: str = "default"
+    scaling: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.scaling).get(name, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: causal or not, and an optional window (keys within W)."""
+
+    causal: bool
+    window: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @property
+    def kind(self) -> str:
+        return "target"
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    attention_bias: bool
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    num_target_layers: int | None
+    mask_token_id: int
+    block_size: int
+    layers: tuple[LayerAttention, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return "drafter"
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Uniform from layer 1 to T-3 (spec section 3); the middle layer for one draft layer."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(
+        round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)
+    )
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; point at a folder with a HF config.json.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); re-export the checkpoint.") from err
+
+
+def parse_config(raw: dict[str, Any]) -> TargetConfig | DrafterConfig:
+    """Target or drafter, chosen by `architectures`."""
+    architecture = _architecture(raw)
+    if architecture in DRAFTER_ARCHITECTURES:
+        return parse_drafter_config(raw)
+    return parse_target_config(raw)
+
+
+def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
+    architecture = _architecture(raw)
+    if architecture not in TARGET_ARCHITECTURES:
+        raise ConfigError(
+            f"unsupported target architecture {architecture!r}; supported targets are "
+            f"{', '.join(TARGET_ARCHITECTURES)}."
+        )
+    is_qwen3 = architecture == "Qwen3ForCausalLM"
+    if is_qwen3 and raw.get("use_sliding_window"):
+        raise ConfigError(
+            "Qwen3 targets with use_sliding_window=true are not supported; "
+            "set it to false in config.json if the model was trained without it."
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
+    heads = _required(raw, "num_attention_heads")
+    hidden = _required(raw, "hidden_size")
+    return TargetConfig(
+        architecture=architecture,
+        vocab_size=_required(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_required(raw, "intermediate_size"),
+        num_layers=_required(raw, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(raw, default_theta=1e6 if is_qwen3 else 1e4),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=is_qwen3,
+    )
+
+
+def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
+    architecture = _architecture(raw)
+    if architecture == "DFlash2DraftModel":
+        raise ConfigError(
+            "DFlash2DraftModel (DFlash 2: convolutions and a candidate selector) is a different "
+            "model and is not supported; use a DFlash-1 DFlashDraftModel checkpoint."
+        )
+    if architecture not in DRAFTER_ARCHITECTURES:
+        raise ConfigError(
+            f"unsupported drafter architecture {architecture!r}; expected DFlashDraftModel."
+        )
+    dflash = raw.get("dflash_config") or {}
+
+    def field(name: str, default: Any = None) -> Any:
+        """dflash_config first, then the top level (checkpoints put fields in either)."""
+        value = dflash.get(name)
+        return raw.get(name, default) if value is None else value
+
+    if field("sample_from_anchor", False):
+        raise ConfigError(
+            "sample_from_anchor=true is the DSpark variant, not DFlash; "
+            "use a drafter trained without it."
+        )
+    num_layers = _required(raw, "num_hidden_layers")
+    num_target_layers = field("num_target_layers")
+    target_layer_ids = field("target_layer_ids")
+    if target_layer_ids is None:
+        if num_target_layers is None:
+            raise ConfigError(
+                "the drafter config has neither target_layer_ids nor num_target_layers; "
+                "add one of them to dflash_config."
+            )
+        target_layer_ids = default_target_layer_ids(int(num_target_layers), num_layers)
+    mask_token_id = field("mask_token_id")
+    if mask_token_id is None:
+        raise ConfigError("the drafter config has no mask_token_id; add it to dflash_config.")
+    vocab_size = _required(raw, "vocab_size")
+    if not 0 <= int(mask_token_id) < vocab_size:
+        raise ConfigError(
+            f"mask_token_id {mask_token_id} is outside the vocabulary (size {vocab_size})."
+        )
+    hidden = _required(raw, "hidden_size")
+    heads = _required(raw, "num_attention_heads")
+    softcap = field("final_logit_softcapping")
+    return DrafterConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=_required(raw, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(raw, default_theta=1e6),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        target_layer_ids=tuple(int(i) for i in target_layer_ids),
+        target_hidden_size=int(field("target_hidden_size", hidden)),
+        num_target_layers=None if num_target_layers is None else int(num_target_layers),
+        mask_token_id=int(mask_token_id),
+        block_size=int(field("block_size", 16)),
+        layers=_drafter_layer_attention(raw, dflash, num_layers),
+        input_embedding_scale=float(field("input_embedding_scale", 1.0)),
+        output_multiplier=float(field("output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+    )
+
+
+def _drafter_layer_attention(
+    raw: dict[str, Any], dflash: dict[str, Any], num_layers: int
+) -> tuple[LayerAttention, ...]:
+    """Spec section 2: full layers non-causal, sliding layers causal and windowed.
+
+    Overrides: top-level `is_causal`, else `dflash_config.causal`, sets causality for all
+    layers; `dflash_config.use_swa` windows every layer by `swa_window_size`, non-causal
+    unless one of the causality overrides says otherwise.
+    """
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise ConfigError(
+            f"layer_types has {len(layer_types)} entries for {num_layers} layers; "
+            "give one type per layer."
+        )
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ConfigError(f"unknown layer_types {sorted(unknown)}; expected full/sliding_attention.")
+    use_swa = bool(dflash.get("use_swa", False))
+    causal_override = raw.get("is_causal")
+    if causal_override is None:
+        causal_override = dflash.get("causal")
+    layers = []
+    for layer_type in layer_types:
+        sliding = layer_type == "sliding_attention"
+        if use_swa:
+            window, causal = _positive_window(dflash, "swa_window_size"), False
+        elif sliding:
+            window, causal = _positive_window(raw, "sliding_window"), True
+        else:
+            window, causal = None, False
+        if causal_override is not None:
+            causal = bool(causal_override)
+        layers.append(LayerAttention(causal=causal, window=window))
+    return tuple(layers)
+
+
+def _positive_window(raw: dict[str, Any], name: str) -> int:
+    window = raw.get(name)
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{name} must be a positive integer for windowed layers, got {window!r}.")
+    return window
+
+
+def parse_rope(raw: dict[str, Any], *, default_theta: float) -> RopeConfig:
+    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older files)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.pop("rope_theta", raw.get("rope_theta", default_theta))
+    rope_type = merged.pop("rope_type", merged.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    if rope_type == "yarn" and "original_max_position_embeddings" not in merged:
+        merged["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return RopeConfig(theta=float(theta), rope_type=rope_type, scaling=tuple(sorted(merged.items())))
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    if len(architectures) != 1:
+        raise ConfigError(
+            f"config.json must name exactly one architecture, got {architectures!r}; "
+            "set architectures to e.g. ['Qwen3ForCausalLM'] or ['DFlashDraftModel']."
+        )
+    return architectures[0]
+
+
+def _required(raw: dict[str, Any], name: str) -> int:
+    if name not in raw:
+        raise ConfigError(f"config.json has no {name!r}; the checkpoint's config is incomplete.")
+    return int(raw[name])
+
+
+def check_drafter_fits_target(target: TargetConfig, drafter: DrafterConfig) -> None:
+    """Refuse a drafter trained for another target: the failure would otherwise be silent."""
+    bad_ids = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad_ids:
+        raise ConfigError(
+            f"the drafter reads target layers {bad_ids}, but the target has {target.num_layers} "
+            "layers; pair the drafter with the target it was trained for."
+        )
+    if drafter.target_hidden_size != target.hidden_size:
+        raise ConfigError(
+            f"the drafter's fc takes {drafter.fc_in_features} inputs = "
+            f"{len(drafter.target_layer_ids)} layers x {drafter.target_hidden_size}, but the "
+            f"target's hidden size is {target.hidden_size}; pair the drafter with its own target."
+        )
+    if drafter.hidden_size != target.hidden_size:
+        raise ConfigError(
+            f"the drafter's hidden size {drafter.hidden_size} differs from the target's "
+            f"{target.hidden_size}, whose embedding and LM head it shares; use a matching pair."
+        )
+    if drafter.mask_token_id >= target.vocab_size:
+        raise ConfigError(
+            f"the drafter's mask_token_id {drafter.mask_token_id} is outside the target's "
+            f"vocabulary (size {target.vocab_size}); use a matching pair."
+        )

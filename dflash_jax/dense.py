@@ -1,0 +1,100 @@
+"""The dense, uncached API: one sequence, no KV cache. For experiments and parity tests.
+
+Each call splits the model and runs a `jax.jit`-compiled function keyed on the graph
+definition, so repeated calls with the same shapes do not retrace.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.attention import dense_attention, position_mask
+from dflash_jax.config import LayerAttention, check_drafter_fits_target
+from dflash_jax.models import Drafter, Target
+
+CAUSAL = LayerAttention(causal=True)
+
+
+def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{what} must be a non-empty 1-D sequence of integer token ids, got shape {ids.shape}.")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{what} holds ids outside the vocabulary [0, {vocab_size}).")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = ()):
+    """(logits [T, V] float32, features [T, len(layer_ids) * H]) for positions 0..T-1.
+
+    `features` concatenates the outputs of the listed decoder layers (0-based, before the
+    final norm: HF `hidden_states[id + 1]`), in the order given.
+    """
+    ids = _token_ids(token_ids, target.cfg.vocab_size, "token_ids")
+    layer_ids = tuple(int(i) for i in layer_ids)
+    if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
+        raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
+    graphdef, state = nnx.split(target)
+    return _target_forward(graphdef, state, ids, layer_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer_ids"))
+def _target_forward(graphdef, state, ids_T, layer_ids):
+    target = nnx.merge(graphdef, state)
+    positions_T = jnp.arange(ids_T.shape[0], dtype=jnp.int32)
+    mask_TT = position_mask(positions_T, positions_T, CAUSAL)
+
+    def attend(layer_idx, q, k, v):
+        return dense_attention(q, k, v, mask_TT)
+
+    hidden_TD, features_TF = target(ids_T, positions_T, attend, layer_ids=layer_ids)
+    return target.unembed(hidden_TD), features_TF
+
+
+def draft_logits(target: Target, drafter: Drafter, features, block_token_ids):
+    """float32 logits [B - 1, V] of block slots 1..B-1.
+
+    `features` [S, n * H] are target features of positions 0..S-1 (as `target_forward`
+    returns them for the drafter's `target_layer_ids`); the block sits at positions
+    S..S+B-1, slot 0 the anchor and the rest normally the mask token.
+    """
+    check_drafter_fits_target(target.cfg, drafter.cfg)
+    block = _token_ids(block_token_ids, target.cfg.vocab_size, "block_token_ids")
+    if block.shape[0] < 2:
+        raise ValueError("block_token_ids needs at least 2 slots: the anchor and one to draft.")
+    features = jnp.asarray(features)
+    if features.ndim != 2 or features.shape[1] != drafter.cfg.fc_in_features:
+        raise ValueError(
+            f"features must be [S, {drafter.cfg.fc_in_features}] (target layers "
+            f"{list(drafter.cfg.target_layer_ids)} concatenated), got {list(features.shape)}."
+        )
+    target_graph, target_state = nnx.split(target)
+    drafter_graph, drafter_state = nnx.split(drafter)
+    return _draft_logits(target_graph, target_state, drafter_graph, drafter_state, features, block)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph"))
+def _draft_logits(target_graph, target_state, drafter_graph, drafter_state, features_SF, block_B):
+    target = nnx.merge(target_graph, target_state)
+    drafter = nnx.merge(drafter_graph, drafter_state)
+    num_ctx, block_size = features_SF.shape[0], block_B.shape[0]
+    ctx_positions_S = jnp.arange(num_ctx, dtype=jnp.int32)
+    block_positions_B = num_ctx + jnp.arange(block_size, dtype=jnp.int32)
+    context_kv = drafter.context_kv(features_SF, ctx_positions_S)
+    key_positions = jnp.concatenate([ctx_positions_S, block_positions_B])
+
+    def attend(layer_idx, q, k, v):
+        ctx_k, ctx_v = context_kv[layer_idx]
+        mask = position_mask(block_positions_B, key_positions, drafter.cfg.layers[layer_idx])
+        return dense_attention(
+            q, jnp.concatenate([ctx_k, k]), jnp.concatenate([ctx_v, v]), mask
+        )
+
+    hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, attend)
+    return drafter.logits(target.unembed, hidden_BD[1:].astype(target.dtype))

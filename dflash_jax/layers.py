@@ -1,0 +1,147 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, linear layers, MLP.
+
+Parameters carry logical sharding axes (`nnx.with_partitioning`) so a tensor-parallel mesh can
+be attached later without touching the modules: "vocab", "embed" (model dim), "q_heads" /
+"kv_heads" (flattened heads x head_dim), "mlp" (intermediate), "head_dim".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.config import RopeConfig
+
+_default_kernel_init = nnx.initializers.normal(stddev=0.02)
+
+
+def logical(initializer, axes: tuple[str | None, ...]):
+    """Annotate a parameter with logical axes; sharding is applied later, when a mesh is set."""
+    return nnx.with_partitioning(initializer, axes, eager_sharding=False)
+
+
+def linear(
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    use_bias: bool,
+    dtype,
+    rngs: nnx.Rngs,
+) -> nnx.Linear:
+    """An `nnx.Linear` (kernel `[in, out]`) with logical axes on kernel and bias."""
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=logical(_default_kernel_init, axes),
+        bias_init=logical(nnx.initializers.zeros_init(), (axes[1],)),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """HF-style RMSNorm: normalise in float32, cast back, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, axis_name: str, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(
+            jnp.ones((dim,), dtype), out_sharding=(axis_name,), eager_sharding=False
+        )
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value * x32.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool, dtype, rngs):
+        self.gate_proj = linear(hidden, intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden, intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@functools.lru_cache(maxsize=None)
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale, for every supported type.
+
+    Computed once on the host in float32, the way HF does, so the table is bit-identical
+    across backends; the scale is 1 except for YaRN's attention factor.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / np.power(np.float32(rope.theta), exponents)).astype(np.float32)
+    if rope.rope_type == "linear":
+        return inv_freq / np.float32(rope.get("factor")), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_frequencies(rope, inv_freq), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn_frequencies(rope, head_dim, inv_freq)
+    return inv_freq, 1.0
+
+
+def _llama3_frequencies(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """Llama 3.1: long wavelengths divided by `factor`, a smooth ramp in between."""
+    factor = rope.get("factor")
+    low_freq_factor, high_freq_factor = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+    old_len = rope.get("original_max_position_embeddings")
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high_freq_factor) & (wavelen <= old_len / low_freq_factor)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_frequencies(rope: RopeConfig, head_dim: int, inv_freq: np.ndarray):
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale cos/sin."""
+    factor = rope.get("factor")
+    old_len = rope.get("original_max_position_embeddings")
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = correction_dim(rope.get("beta_fast") or 32)
+    high = correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    blended = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+    return blended.astype(np.float32), float(attention_factor)
+
+
+def apply_rope(x_TNH, positions_T, rope: RopeConfig):
+    """Rotate `x_TNH` ([tokens, heads, head_dim]) by the angles of `positions_T` (neox style)."""
+    inv_freq, scale = rope_frequencies(rope, x_TNH.shape[-1])
+    angles_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles_TH = jnp.concatenate([angles_TF, angles_TF], axis=-1)
+    cos = (jnp.cos(angles_TH) * scale)[:, None, :]
+    sin = (jnp.sin(angles_TH) * scale)[:, None, :]
+    x = x_TNH.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x_TNH.dtype)

@@ -1,0 +1,106 @@
+"""The DFlash-1 block drafter (spec section 1) in Flax NNX.
+
+The drafter owns no embedding and no LM head: callers embed the block with the target's table
+and unembed with the target's head. Context tokens contribute keys and values only, computed
+once from `hidden_norm(fc(features))` for all layers in one fused projection
+(`context_kv`); block tokens run through the layers and attend to [context | block] through an
+`attend(layer_idx, q, k, v)` callable that applies the layer's mask rule.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.layers import MLP, RMSNorm, apply_rope, linear
+
+
+class DrafterAttention(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = linear(d, n * h, ("embed", "q_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
+
+    def finish_kv(self, k_TKH, v_TKH, positions_T):
+        """k_norm + RoPE on projected keys; shared by the block and the fused context path."""
+        return apply_rope(self.k_norm(k_TKH), positions_T, self.cfg.rope), v_TKH
+
+    def qkv(self, h_BD, positions_B):
+        cfg = self.cfg
+        q_BNH = self.q_norm(self.q_proj(h_BD).reshape(-1, cfg.num_heads, cfg.head_dim))
+        k_BKH = self.k_proj(h_BD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v_BKH = self.v_proj(h_BD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        return (apply_rope(q_BNH, positions_B, cfg.rope), *self.finish_kv(k_BKH, v_BKH, positions_B))
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BD, positions_B, attend: Callable):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x_BD), positions_B)
+        a_BNH = attend(q, k, v)
+        x_BD = x_BD + self.self_attn.o_proj(a_BNH.reshape(x_BD.shape[0], -1))
+        return x_BD + self.mlp(self.post_attention_layernorm(x_BD))
+
+
+class Drafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+
+    @property
+    def dtype(self):
+        return self.fc.kernel.value.dtype
+
+    def context_kv(self, features_SF, positions_S):
+        """Context K/V of every layer from target features: one GEMM against stacked weights.
+
+        Returns a list, per layer, of (k [S, K, H], v [S, K, H]), normed and rotated: exactly
+        what the drafter's KV cache stores.
+        """
+        cfg = self.cfg
+        ctx_SD = self.hidden_norm(self.fc(features_SF.astype(self.dtype)))
+        kernels, biases = [], []
+        for layer in self.layers:
+            attn = layer.self_attn
+            kernels += [attn.k_proj.kernel.value, attn.v_proj.kernel.value]
+            if cfg.attention_bias:
+                biases += [attn.k_proj.bias.value, attn.v_proj.bias.value]
+        kv_SX = ctx_SD @ jnp.concatenate(kernels, axis=1)
+        if biases:
+            kv_SX = kv_SX + jnp.concatenate(biases)
+        kv_S2LKH = kv_SX.reshape(ctx_SD.shape[0], 2 * cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            layer.self_attn.finish_kv(kv_S2LKH[:, 2 * i], kv_S2LKH[:, 2 * i + 1], positions_S)
+            for i, layer in enumerate(self.layers)
+        ]
+
+    def __call__(self, block_embeds_BD, positions_B, attend: Callable):
+        """Block hidden states [B, D] after the final norm; `attend(i, q, k, v)` per layer."""
+        x_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype)
+        for i, layer in enumerate(self.layers):
+            x_BD = layer(x_BD, positions_B, lambda q, k, v, i=i: attend(i, q, k, v))
+        return self.norm(x_BD)
+
+    def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):
+        """float32 logits through the target's head, with the optional Gemma-style scalars."""
+        logits = unembed(h_BD) * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
