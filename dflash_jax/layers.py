@@ -59,7 +59,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value * x32.astype(x.dtype)
+        return self.weight[...] * x32.astype(x.dtype)
 
 
 class MLP(nnx.Module):

@@ -67,7 +67,7 @@ class Drafter(nnx.Module):
 
     @property
     def dtype(self):
-        return self.fc.kernel.value.dtype
+        return self.fc.kernel[...].dtype
 
     def context_kv(self, features_SF, positions_S):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
@@ -80,9 +80,9 @@ class Drafter(nnx.Module):
         kernels, biases = [], []
         for layer in self.layers:
             attn = layer.self_attn
-            kernels += [attn.k_proj.kernel.value, attn.v_proj.kernel.value]
+            kernels += [attn.k_proj.kernel[...], attn.v_proj.kernel[...]]
             if cfg.attention_bias:
-                biases += [attn.k_proj.bias.value, attn.v_proj.bias.value]
+                biases += [attn.k_proj.bias[...], attn.v_proj.bias[...]]
         kv_SX = ctx_SD @ jnp.concatenate(kernels, axis=1)
         if biases:
             kv_SX = kv_SX + jnp.concatenate(biases)

@@ -78,7 +78,7 @@ class Target(nnx.Module):
 
     @property
     def dtype(self):
-        return self.embed_tokens.embedding.value.dtype
+        return self.embed_tokens.embedding[...].dtype
 
     def embed(self, token_ids_T):
         return self.embed_tokens(token_ids_T)
@@ -86,9 +86,9 @@ class Target(nnx.Module):
     def unembed(self, h_TD):
         """float32 logits [T, V] from final-normed hidden states (tied or separate head)."""
         if self.cfg.tie_word_embeddings:
-            w_VD = self.embed_tokens.embedding.value
+            w_VD = self.embed_tokens.embedding[...]
             return jnp.einsum("td,vd->tv", h_TD, w_VD, preferred_element_type=jnp.float32)
-        w_DV = self.lm_head.kernel.value
+        w_DV = self.lm_head.kernel[...]
         return jnp.einsum("td,dv->tv", h_TD, w_DV, preferred_element_type=jnp.float32)
 
     def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = ()):

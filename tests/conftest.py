@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random HF targets and z-lab drafters, saved as HF folders."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+import torch
+
+
+def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random init leaves RMSNorm weights at 1; perturb them so a misplaced norm shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+
+
+def make_hf_target(kind: str = "qwen3", *, seed: int = 0, **overrides):
+    """A tiny random transformers Qwen3 or Llama causal LM in float32, eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(**common)
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    randomize_norms(model, seed)
+    return model.float().eval()
+
+
+def drafter_config_dict(target_config: dict, **overrides) -> dict:
+    """A z-lab DFlash-1 config.json for a tiny drafter of `target_config`'s target."""
+    cfg = dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        vocab_size=target_config["vocab_size"],
+        hidden_size=target_config["hidden_size"],
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        attention_bias=False,
+        num_target_layers=target_config["num_hidden_layers"],
+        dflash_config={"mask_token_id": target_config["vocab_size"] - 1, "block_size": 8},
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def make_zlab_drafter(config_dict: dict, *, seed: int = 0):
+    """The z-lab reference DFlashDraftModel (dflash 0.1.0) with random float32 weights."""
+    import transformers
+    from dflash.model import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**{k: v for k, v in config_dict.items() if k != "architectures"})
+    config.architectures = config_dict["architectures"]
+    for key in ("layer_types", "sliding_window", "is_causal"):
+        if key in config_dict:
+            setattr(config, key, config_dict[key])
+    model = DFlashDraftModel(config)
+    randomize_norms(model, seed)
+    return model.float().eval()
+
+
+def save_hf(model, path, config_dict: dict | None = None, **save_kwargs) -> str:
+    """save_pretrained, optionally replacing config.json with `config_dict` verbatim."""
+    model.save_pretrained(path, **save_kwargs)
+    if config_dict is not None:
+        (path / "config.json").write_text(json.dumps(config_dict))
+    return str(path)
+
+
+def rel_err(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+@pytest.fixture
+def tmp_models(tmp_path):
+    return tmp_path
