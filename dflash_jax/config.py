@@ -121,7 +121,7 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 def parse_config(raw: dict[str, Any]) -> TargetConfig | DrafterConfig:
     """Target or drafter, chosen by `architectures`."""
     architecture = _architecture(raw)
-    if architecture in DRAFTER_ARCHITECTURES:
+    if architecture in (*DRAFTER_ARCHITECTURES, "DFlash2DraftModel"):
         return parse_drafter_config(raw)
     return parse_target_config(raw)
 
