@@ -171,10 +171,11 @@ def _reference_layout(cfg, positions, start_loc, idx_mapping, last_sampled,
     req_T = jnp.searchsorted(end_R, row_T, side="right").astype(jnp.int32)
     req_T = jnp.minimum(req_T, R - 1)
     valid_T = (row_T >= start_loc[0]) & (row_T < end_R[-1]) & (row_T < valid_end_R[req_T])
-    ctx_pos_T = jnp.where(valid_T, positions, 0)
-    ctx_block_T = jnp.where(valid_T, block_table[req_T, _page_index(ctx_pos_T, cfg)], 0)
-    ctx_slot_T = jnp.where(valid_T & (ctx_block_T != 0),
-                           cp_local_slot(ctx_pos_T, ctx_block_T, cp_rank, cfg), pad)
+    pos_T = jnp.where(valid_T, positions, 0)
+    block_T = jnp.where(valid_T, block_table[req_T, _page_index(pos_T, cfg)], 0)
+    resident_T = valid_T & (block_T != 0)
+    ctx_pos_T = jnp.where(resident_T, pos_T, 0)
+    ctx_slot_T = jnp.where(resident_T, cp_local_slot(pos_T, block_T, cp_rank, cfg), pad)
 
     # Query rows: Q per request, positions after the last valid context row.
     k_Q = jnp.arange(Q, dtype=jnp.int32)
@@ -258,9 +259,9 @@ def _layout_kernel(cfg, positions_ref, start_loc_ref, idx_mapping_ref, last_samp
             rows = pl.ds(ctx_start + first, BLOCK)
             pos = plgpu.load(positions_ref.at[rows], mask=valid, other=0)
             block = block_id(r, pos, valid)
-            slot = jnp.where(valid & (block != 0), cp_local_slot(pos, block, cp_rank, cfg),
-                             pad)
-            plgpu.store(ctx_pos_ref.at[rows], pos, mask=is_ctx)
+            resident = valid & (block != 0)
+            slot = jnp.where(resident, cp_local_slot(pos, block, cp_rank, cfg), pad)
+            plgpu.store(ctx_pos_ref.at[rows], jnp.where(resident, pos, 0), mask=is_ctx)
             plgpu.store(ctx_slot_ref.at[rows], slot, mask=is_ctx)
             return carry
 

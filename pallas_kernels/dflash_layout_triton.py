@@ -83,7 +83,8 @@ def layout_kernel(
             pos = tl.load(positions_ptr + ctx_start + j, mask=valid, other=0)
             block = _block_id(block_table_ptr, r, pos, valid, W, PAGE, CP_SIZE)
             slot = _slot(pos, block, valid, cp_rank, PAGE, CP_SIZE, CP_INTERLEAVE, PAD_SLOT)
-            tl.store(ctx_pos_ptr + ctx_start + j, pos, mask=is_ctx)
+            tl.store(ctx_pos_ptr + ctx_start + j, tl.where(valid & (block != 0), pos, 0),
+                     mask=is_ctx)
             tl.store(ctx_slot_ptr + ctx_start + j, slot, mask=is_ctx)
 
         if b == 0:
