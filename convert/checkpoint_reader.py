@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 
 
 class ConversionError(ValueError):
@@ -97,7 +96,3 @@ def _torch_source(files: list[Path]) -> TensorSource:
         return tensor.numpy()
 
     return TensorSource({name: tuple(t.shape) for name, t in state.items()}, get)
-
-
-def dtype_name(array) -> str:
-    return np.dtype(array.dtype).name

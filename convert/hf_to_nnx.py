@@ -20,7 +20,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from convert.checkpoint_reader import ConversionError, open_checkpoint
-from convert.weight_map import drafter_ignored, drafter_rules, target_ignored, target_rules
+from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.checkpoint import abstract_model, model_from_params, save_checkpoint
 from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
 
@@ -67,7 +67,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     dtype = jnp.dtype(dtype)
     abstract_params = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype), nnx.Param))
     for rule in rules:
-        want = _leaf(abstract_params, rule.path).shape
+        want = get_path(abstract_params, rule.path).shape
         want_hf = tuple(reversed(want)) if rule.transpose else tuple(want)
         if tuple(shapes[rule.hf_name]) != want_hf:
             raise ConversionError(
@@ -79,7 +79,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
         array = jnp.asarray(source.get(aliases.get(rule.hf_name, rule.hf_name)))
         array = array.T if rule.transpose else array
-        _set_leaf(params, rule.path, array.astype(dtype))
+        set_path(params, rule.path, array.astype(dtype))
     return raw_config, model_from_params(cfg, dtype, params)
 
 
@@ -128,15 +128,3 @@ def _resolve_fc_width(cfg: DrafterConfig, raw_config: dict, shapes: dict):
     raw_config = json.loads(json.dumps(raw_config))
     raw_config.setdefault("dflash_config", {})["target_hidden_size"] = width // n
     return dataclasses.replace(cfg, target_hidden_size=width // n), raw_config
-
-
-def _leaf(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set_leaf(tree: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value

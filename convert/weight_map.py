@@ -84,3 +84,16 @@ def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:
 
 def drafter_ignored(cfg: DrafterConfig, name: str) -> bool:
     return bool(IGNORED_TENSORS.search(name))
+
+
+def get_path(tree: dict, path: tuple):
+    """The leaf of a nested parameter dict at `path`."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def set_path(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value

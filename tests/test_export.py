@@ -1,0 +1,64 @@
+"""export_hf: NNX models written as HF / z-lab folders load in transformers and dflash 0.1.0."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import dflash_jax
+from conftest import rel_err
+from convert import export_hf
+from dflash_jax.config import parse_config, to_hf_config
+from dflash_jax.models import Drafter, Target
+from test_drafter_parity import reference_draft_logits
+
+TARGET = dict(
+    architectures=["Qwen3ForCausalLM"], vocab_size=80, hidden_size=48, intermediate_size=64,
+    num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+DRAFTER = dict(
+    architectures=["DFlashDraftModel"], vocab_size=80, hidden_size=48, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+    num_target_layers=5, dflash_config={"mask_token_id": 79, "target_layer_ids": [1, 3], "block_size": 4},
+)
+
+
+def randomize(model, seed):
+    """Random values for every parameter, norms included."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+@pytest.mark.parametrize("raw", [TARGET, DRAFTER], ids=["target", "drafter"])
+def test_config_round_trips(raw):
+    cfg = parse_config(raw)
+    assert parse_config(to_hf_config(cfg)) == cfg
+
+
+def test_exported_pair_loads_in_transformers_and_zlab(tmp_path):
+    import transformers
+    from dflash.model import DFlashDraftModel
+
+    target = randomize(Target(parse_config(TARGET), rngs=nnx.Rngs(0)), 1)
+    drafter = randomize(Drafter(parse_config(DRAFTER), rngs=nnx.Rngs(1)), 2)
+    export_hf(target, tmp_path / "target")
+    export_hf(drafter, tmp_path / "drafter", dtype="bfloat16")
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_hf(drafter, tmp_path / "drafter")
+
+    hf_target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target").float().eval()
+    zlab = DFlashDraftModel.from_pretrained(tmp_path / "drafter", torch_dtype=torch.float32).eval()
+    ids = np.arange(2, 19)
+    logits, features = dflash_jax.target_forward(target, ids, layer_ids=drafter.cfg.target_layer_ids)
+    with torch.no_grad():
+        assert rel_err(logits, hf_target(torch.tensor(ids)[None]).logits[0]) <= 1e-4
+
+    bf16_drafter = dflash_jax.load_drafter(tmp_path / "drafter", dtype="float32")
+    block = [5, 79, 79, 79]
+    ours = dflash_jax.draft_logits(target, bf16_drafter, features, block)
+    assert rel_err(ours, reference_draft_logits(hf_target, zlab, features, block)) <= 1e-4
