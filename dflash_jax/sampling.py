@@ -1,0 +1,221 @@
+"""Sampling and speculative verification as pure, jittable JAX functions.
+
+Shapes: R requests, N draft tokens per request, S = 1 + N verify rows, V vocab. Sampling
+parameters are per-request arrays, so one batch mixes greedy and sampled requests; a
+temperature of 0 means greedy, `top_k` 0 and `top_p` 1.0 mean off. The processed
+distribution follows the z-lab reference (`dflash.model._sampling_probs`): logits /
+temperature, keep the `top_k` largest, softmax, then keep tokens while the probability mass
+before them (largest first) is < `top_p`, renormalize. Ties rank the lowest index first.
+
+Random draws are keyed by (seed, stream, position), never by batch row, so a request's
+tokens do not depend on what else is in its batch:
+
+    key = fold_in(fold_in(jax.random.key(seed, impl="threefry2x32"), stream), position)
+
+`position` is the position of the row whose logits gave the distribution, i.e. the position
+of the sampled token minus one (vLLM keys a draft draw by `sample_pos - 1`; the target's
+bonus or correction drawn from verify row k is keyed by that row's position). The streams:
+DRAFT_STREAM draws draft tokens, TARGET_STREAM draws target tokens (bonus, correction, or a
+plain non-speculative step), ACCEPT_STREAM draws the accept uniforms. Every key that decides
+a committed token is used once per request: a cycle that commits up to position t used keys
+at positions <= t - 1 for its decisions, and the next cycle's decisions use keys >= t. Keys a
+cycle drew but never examined (drafts past the first rejection) may be drawn again later,
+which is harmless since nothing depended on them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+DRAFT_STREAM = 0
+TARGET_STREAM = 1
+ACCEPT_STREAM = 2
+
+
+def validate_sampling_params(temperature, top_k, top_p) -> None:
+    """Raise ValueError unless temperature >= 0, top_k >= 0 (integer), 0 < top_p <= 1.
+
+    For the engine to call once per request; the jitted functions below do not validate.
+    """
+    temperature, top_k, top_p = (np.asarray(x) for x in (temperature, top_k, top_p))
+    if not np.all(temperature >= 0):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+    if not np.issubdtype(top_k.dtype, np.integer) or np.any(top_k < 0):
+        raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k}.")
+    if not np.all((top_p > 0) & (top_p <= 1)):
+        raise ValueError(f"top_p must lie in (0, 1] (1.0 = off), got {top_p}.")
+
+
+def _per_row(param, logits) -> jax.Array:
+    """Broadcast a per-request parameter [R] (or [R, S]) over logits [R, ..., V] minus V."""
+    param = jnp.asarray(param)
+    param = param.reshape(param.shape + (1,) * (logits.ndim - 1 - param.ndim))
+    return jnp.broadcast_to(param, logits.shape[:-1])
+
+
+def _unsort(sorted_x, order) -> jax.Array:
+    """Scatter values given in `order` (per row) back to vocabulary order."""
+    return jnp.put_along_axis(jnp.zeros_like(sorted_x), order, sorted_x, axis=-1, inplace=False)
+
+
+def _truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
+    """Tokens kept by top-k (ranks < top_k) then top-p (mass before the token < top_p)."""
+    order = jnp.argsort(scores, axis=-1, stable=True, descending=True)
+    rank = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    in_k_sorted = rank < top_k[..., None]
+    probs_k = jnp.where(_unsort(in_k_sorted, order), probs, 0.0)
+    probs_k = probs_k / probs_k.sum(-1, keepdims=True)
+    sorted_probs = jnp.take_along_axis(probs_k, order, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    in_p_sorted = (mass_before < top_p[..., None]) | ~use_p[..., None]
+    return _unsort(in_k_sorted & in_p_sorted, order)
+
+
+def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
+    """The target's (or drafter's) sampling distribution, float32, same shape as `logits`.
+
+    logits [R, V] or [R, S, V]; temperature, top_k, top_p [R] (broadcast over S) or the
+    full leading shape. Greedy rows give a one-hot at argmax. The sort behind top-k/top-p
+    runs only when some row uses them; the result for a row is the same either way, so it
+    does not depend on the batch.
+    """
+    vocab = logits.shape[-1]
+    temperature, top_k, top_p = (_per_row(x, logits) for x in (temperature, top_k, top_p))
+    greedy = temperature == 0
+    scores = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[..., None]
+    probs = jax.nn.softmax(scores, axis=-1)
+    use_k = (top_k > 0) & (top_k < vocab) & ~greedy
+    use_p = (top_p < 1) & ~greedy
+    truncate = use_k | use_p
+    keep = lax.cond(
+        jnp.any(truncate),
+        lambda: _truncation_mask(scores, probs, jnp.where(use_k, top_k, vocab), top_p, use_p),
+        lambda: jnp.ones(logits.shape, bool),
+    )
+    kept = jnp.where(keep, probs, 0.0)
+    probs = jnp.where(truncate[..., None], kept / kept.sum(-1, keepdims=True), probs)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(greedy[..., None], one_hot, probs)
+
+
+def draw_keys(seeds, positions, stream: int) -> jax.Array:
+    """Typed PRNG keys, shape broadcast(seeds, positions); see the module docstring."""
+    shape = jnp.broadcast_shapes(jnp.shape(seeds), jnp.shape(positions))
+
+    def one(seed, position):
+        key = jax.random.key(seed, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(key, stream), position)
+
+    seeds, positions = (jnp.broadcast_to(x, shape).reshape(-1) for x in (seeds, positions))
+    return jax.vmap(one)(seeds, positions).reshape(shape)
+
+
+def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
+    """Draw one token per row of `probs` [..., V] (any non-negative weights) by Gumbel-max.
+
+    seeds and positions broadcast to probs.shape[:-1]; `positions` is the position of the
+    row whose logits gave `probs` (the sampled token's position - 1). A one-hot row (greedy)
+    always returns its hot index, whatever the noise.
+    """
+    keys = draw_keys(seeds, positions, stream)
+    vocab = probs.shape[-1]
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys.reshape(-1))
+    scores = jnp.log(probs.astype(jnp.float32)) + gumbel.reshape(keys.shape + (vocab,))
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R):
+    """(draft_tokens_RN, draft_probs_RNV): draft j is drawn from q at draft row j.
+
+    `positions_R` is the anchor's position (as in `rejection_sample`): draft j sits at
+    positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j).
+    """
+    probs_RNV = processed_probs(draft_logits_RNV, temperature_R, top_k_R, top_p_R)
+    num_drafts = draft_logits_RNV.shape[1]
+    positions_RN = positions_R[:, None] + jnp.arange(num_drafts, dtype=jnp.int32)
+    return sample_tokens(probs_RNV, seeds_R[:, None], positions_RN, DRAFT_STREAM), probs_RNV
+
+
+def _leading_true(mask_RN) -> jax.Array:
+    return jnp.cumprod(mask_RN.astype(jnp.int32), axis=-1).sum(-1)
+
+
+def rejection_sample(
+    target_logits_RSV,
+    draft_tokens_RN,
+    draft_probs_RNV,
+    num_drafts_R,
+    temperature_R,
+    top_k_R,
+    top_p_R,
+    seeds_R,
+    positions_R,
+):
+    """Speculative verification: (tokens_RS int32, num_accepted_R int32).
+
+    Positions: `positions_R` is the anchor's position (verify row 0). Verify row k sits at
+    positions_R + k and its logits give p for the token at positions_R + k + 1. Draft j
+    (0-based) sits at positions_R + 1 + j, was drawn from q = draft_probs_RNV[:, j], and is
+    checked against p at verify row j. Only drafts j < num_drafts_R count (0..N; e.g. a
+    smaller block, or the end of max_new_tokens).
+
+    Sampled rows accept draft j with probability min(1, p(x)/q(x)) (uniform keyed
+    (ACCEPT_STREAM, positions_R + j)); a = the number of leading accepted drafts. The next
+    token comes from verify row a, keyed (TARGET_STREAM, positions_R + a): from
+    normalize(max(p - q, 0)) if draft a was rejected (p if that is all zero), else from p
+    (the bonus). Greedy rows (temperature 0) accept drafts equal to the target argmax and
+    take the argmax at row a. tokens_RS[r, :a+1] = accepted drafts then that token; the
+    rest is -1.
+
+    Example, one request, N = 3, anchor t0 at position 10, drafts [x0, x1, x2] at 11..13:
+    x0 accepted (u at 10), x1 rejected (u at 11) -> a = 1, y ~ residual of verify row 1
+    keyed (TARGET, 11); tokens = [x0, y, -1, -1]: x0 at position 11, y at 12. The next
+    cycle's anchor is y, positions_R = 12.
+
+    When every row is greedy the softmax over V and the random draws are skipped; greedy
+    rows give the same result on either path.
+    """
+    num_rows, num_verify, vocab = target_logits_RSV.shape
+    n = num_verify - 1
+    if n < 1 or draft_tokens_RN.shape != (num_rows, n) or draft_probs_RNV.shape != (num_rows, n, vocab):
+        raise ValueError(
+            f"rejection_sample needs target logits [R, N+1, V] with N >= 1, draft tokens [R, N] and "
+            f"draft probs [R, N, V]; got {target_logits_RSV.shape}, {draft_tokens_RN.shape}, "
+            f"{draft_probs_RNV.shape}."
+        )
+    rows_R = jnp.arange(num_rows)
+    greedy_R = temperature_R == 0
+    argmax_RS = jnp.argmax(target_logits_RSV, axis=-1).astype(jnp.int32)
+    valid_RN = jnp.arange(n) < num_drafts_R[:, None]
+    greedy_accept_RN = draft_tokens_RN == argmax_RS[:, :n]
+
+    def greedy_only():
+        accepted_R = _leading_true(greedy_accept_RN & valid_RN)
+        return accepted_R, argmax_RS[rows_R, accepted_R]
+
+    def general():
+        p_RSV = processed_probs(target_logits_RSV, temperature_R, top_k_R, top_p_R)
+        p_draft_RN = jnp.take_along_axis(p_RSV[:, :n], draft_tokens_RN[..., None], axis=-1)[..., 0]
+        q_draft_RN = jnp.take_along_axis(draft_probs_RNV, draft_tokens_RN[..., None], axis=-1)[..., 0]
+        keys_RN = draw_keys(seeds_R[:, None], positions_R[:, None] + jnp.arange(n), ACCEPT_STREAM)
+        u_RN = jax.vmap(jax.random.uniform)(keys_RN.reshape(-1)).reshape(num_rows, n)
+        accept_RN = jnp.where(greedy_R[:, None], greedy_accept_RN, u_RN * q_draft_RN < p_draft_RN)
+        accepted_R = _leading_true(accept_RN & valid_RN)
+
+        p_RV = p_RSV[rows_R, accepted_R]
+        residual_RV = jnp.maximum(p_RV - draft_probs_RNV[rows_R, jnp.minimum(accepted_R, n - 1)], 0.0)
+        use_residual_R = (accepted_R < num_drafts_R) & (residual_RV.sum(-1) > 0)
+        weights_RV = jnp.where(use_residual_R[:, None], residual_RV, p_RV)
+        sampled_R = sample_tokens(weights_RV, seeds_R, positions_R + accepted_R, TARGET_STREAM)
+        return accepted_R, jnp.where(greedy_R, argmax_RS[rows_R, accepted_R], sampled_R)
+
+    accepted_R, next_R = lax.cond(jnp.all(greedy_R), greedy_only, general)
+    k_S = jnp.arange(num_verify)
+    drafts_RS = jnp.pad(draft_tokens_RN.astype(jnp.int32), ((0, 0), (0, 1)))
+    tokens_RS = jnp.where(
+        k_S < accepted_R[:, None], drafts_RS, jnp.where(k_S == accepted_R[:, None], next_R[:, None], -1)
+    )
+    return tokens_RS, accepted_R.astype(jnp.int32)
