@@ -65,6 +65,8 @@ _STATE_BLOCK = 32
 _BATCH_BLOCK = 128
 # Programs the grid aims for along its second axis, summed over requests.
 _TARGET_PROGRAMS = 1024
+# At least this many, so the padding program's work is split even for one request.
+_MIN_PROGRAMS_PER_REQ = 4
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
@@ -124,7 +126,8 @@ class _Config:
     def programs_per_req(self):
         """Programs per request; each loops over every programs_per_req-th row block."""
         row_blocks = max(1, -(-self.num_target_rows // self.row_block))
-        return max(1, min(row_blocks, _TARGET_PROGRAMS // (self.num_reqs + 1)))
+        spread = min(row_blocks, _TARGET_PROGRAMS // (self.num_reqs + 1))
+        return max(_MIN_PROGRAMS_PER_REQ, spread)
 
 
 def _next_pow2(n):
@@ -166,10 +169,11 @@ def _reference_layout(cfg, positions, start_loc, idx_mapping, last_sampled,
     last_valid_pos_R = positions[jnp.clip(valid_end_R - 1, 0, T - 1)]
     state_R = jnp.clip(idx_mapping, 0, cfg.max_num_reqs - 1)
 
-    # Context rows: row t belongs to the first request whose rows end after t.
+    # Context rows: row t belongs to request (number of requests ending at or before t),
+    # counted with a scatter and a cumsum (jnp.searchsorted is a slow loop on the GPU).
     row_T = jnp.arange(T, dtype=jnp.int32)
-    req_T = jnp.searchsorted(end_R, row_T, side="right").astype(jnp.int32)
-    req_T = jnp.minimum(req_T, R - 1)
+    ends_at_T = jnp.zeros(T, jnp.int32).at[end_R].add(1, mode="drop")
+    req_T = jnp.minimum(jnp.cumsum(ends_at_T), R - 1)
     valid_T = (row_T >= start_loc[0]) & (row_T < end_R[-1]) & (row_T < valid_end_R[req_T])
     pos_T = jnp.where(valid_T, positions, 0)
     block_T = jnp.where(valid_T, block_table[req_T, _page_index(pos_T, cfg)], 0)
