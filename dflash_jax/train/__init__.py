@@ -1,0 +1,1 @@
+"""Training DFlash drafters in JAX (spec section 7): masks, loss, the jitted step, data, CLI."""

@@ -1,0 +1,47 @@
+"""Decayed, masked cross-entropy over block slots, and per-slot accuracy (spec section 7).
+
+Slot k (1..B-1) of the block anchored at p predicts x_{p+k}; it counts only where the loss
+mask is on at p+k (a response token inside the sequence). Later slots weigh less,
+w_k = exp(-(k-1)/gamma), because a draft is only as useful as its accepted prefix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma 7 for B=16 and 4 for B=8 (the published recipes); B/2 otherwise, at least 1."""
+    return {16: 7.0, 8: 4.0}.get(block_size, max(block_size / 2, 1.0))
+
+
+def slot_weights(block_size: int, gamma: float):
+    """float32 [B-1]: w_k = exp(-(k-1)/gamma) for k = 1..B-1."""
+    return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
+
+
+def block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, block_size: int):
+    """(labels int32 [A, B-1], counted bool [A, B-1]): x_{p+k} and whether slot k counts."""
+    num_ctx = token_ids_L.shape[0]
+    positions_AK = anchors_A[:, None] + jnp.arange(1, block_size, dtype=jnp.int32)
+    inside_AK = positions_AK < num_ctx
+    positions_AK = jnp.minimum(positions_AK, num_ctx - 1)
+    counted_AK = valid_A[:, None] & inside_AK & loss_mask_L[positions_AK]
+    return token_ids_L[positions_AK], counted_AK
+
+
+def block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K):
+    """Per-sequence sums: (weighted CE, weight, correct per slot [K], counted per slot [K]).
+
+    Sums, not means, so a batch normalises once by its total weight.
+    """
+    ce_AK = -jnp.take_along_axis(jax.nn.log_softmax(logits_AKV, axis=-1), labels_AK[..., None], -1)[..., 0]
+    w_AK = jnp.where(counted_AK, weights_K[None, :], 0.0)
+    correct_AK = (jnp.argmax(logits_AKV, axis=-1) == labels_AK) & counted_AK
+    return (
+        jnp.sum(w_AK * ce_AK),
+        jnp.sum(w_AK),
+        jnp.sum(correct_AK, axis=0).astype(jnp.float32),
+        jnp.sum(counted_AK, axis=0).astype(jnp.float32),
+    )
