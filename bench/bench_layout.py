@@ -6,8 +6,8 @@ against the jnp reference on random batches, then time all three.
 Timings per call, median: ``sync`` is one call plus block_until_ready (what a host loop
 sees, dispatch included); ``queued`` is 50 calls enqueued back to back, then one sync,
 divided by 50; ``device`` is 50 calls inside one jitted, unrolled fori_loop (no
-while-loop round trips), so host dispatch is out of it (an optimisation barrier on (inputs, loop index) stops XLA from hoisting
-loop-invariant work, and the loop carries the layout so nothing is dead).
+while-loop round trips), so host dispatch is out of it (an optimisation barrier on (inputs, previous outputs) keeps the calls in
+sequence and stops XLA from hoisting or merging them; nothing is dead).
 """
 
 import argparse
@@ -177,9 +177,10 @@ def time_impl(fn, batch, reps, chain=50):
     @jax.jit
     def chained(args):
         def body(i, layout):
-            # The barrier ties the inputs to the loop index, so nothing is hoisted out of
-            # the loop; carrying the layout keeps every output alive.
-            return fn(lax.optimization_barrier((args, i))[0])
+            # The barrier ties each call's inputs to the previous call's outputs: calls run
+            # one after another (no hoisting, no fusing of independent copies), and
+            # carrying the layout keeps every output alive.
+            return fn(lax.optimization_barrier((args, layout))[0])
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, args))
         return lax.fori_loop(0, chain, body, init, unroll=True)
 
