@@ -82,6 +82,7 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     runs only when some row uses them; the result for a row is the same either way, so it
     does not depend on the batch.
     """
+    logits = jnp.asarray(logits)
     vocab = logits.shape[-1]
     temperature, top_k, top_p = (_per_row(x, logits) for x in (temperature, top_k, top_p))
     greedy = temperature == 0
@@ -120,10 +121,11 @@ def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
     row whose logits gave `probs` (the sampled token's position - 1). A one-hot row (greedy)
     always returns its hot index, whatever the noise.
     """
+    probs = jnp.asarray(probs, jnp.float32)
     keys = draw_keys(seeds, positions, stream)
     vocab = probs.shape[-1]
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys.reshape(-1))
-    scores = jnp.log(probs.astype(jnp.float32)) + gumbel.reshape(keys.shape + (vocab,))
+    scores = jnp.log(probs) + gumbel.reshape(keys.shape + (vocab,))
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
@@ -178,6 +180,10 @@ def rejection_sample(
     When every row is greedy the softmax over V and the random draws are skipped; greedy
     rows give the same result on either path.
     """
+    target_logits_RSV, draft_tokens_RN, draft_probs_RNV, num_drafts_R, temperature_R, seeds_R, positions_R = (
+        jnp.asarray(x)
+        for x in (target_logits_RSV, draft_tokens_RN, draft_probs_RNV, num_drafts_R, temperature_R, seeds_R, positions_R)
+    )
     num_rows, num_verify, vocab = target_logits_RSV.shape
     n = num_verify - 1
     if n < 1 or draft_tokens_RN.shape != (num_rows, n) or draft_probs_RNV.shape != (num_rows, n, vocab):

@@ -1,0 +1,265 @@
+"""Sampling: processed distributions vs the z-lab definitions, losslessness of the rejection
+sampler by chi-square, greedy verification, and batch invariance of the seeded draws."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import sampling
+
+P_MIN = 1e-3  # chi-square threshold; every test below uses fixed seeds, so none is flaky
+
+
+def reference_probs(logits_V, temperature, top_k, top_p):
+    """numpy, one row, written from dflash.model._sampling_probs (ties: lowest index first)."""
+    logits_V = np.asarray(logits_V, np.float64)
+    vocab = logits_V.shape[0]
+    if temperature == 0:
+        return np.eye(vocab)[np.argmax(logits_V)]
+    scores = logits_V / temperature
+    kept = np.argsort(-scores, kind="stable")
+    if 0 < top_k < vocab:
+        kept = kept[:top_k]
+    probs = np.exp(scores[kept] - scores[kept].max())
+    probs /= probs.sum()  # descending, as kept is sorted
+    if top_p < 1.0:
+        keep = np.cumsum(probs) - probs < top_p
+        kept, probs = kept[keep], probs[keep] / probs[keep].sum()
+    out = np.zeros(vocab)
+    out[kept] = probs
+    return out
+
+
+def chi_square_pvalue(tokens, probs_V) -> float:
+    """p-value of `tokens` being draws from probs_V (0 if any token falls outside its support)."""
+    counts = np.bincount(np.asarray(tokens), minlength=len(probs_V))
+    support = probs_V > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    expected = counts.sum() * probs_V[support]
+    assert expected.min() >= 5 and support.sum() >= 2, "too few samples or bins for a chi-square test"
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    dof = int(support.sum()) - 1
+    return float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+
+
+PARAM_CASES = {
+    "temperature": (0.8, 0, 1.0),
+    "top_k": (1.0, 3, 1.0),
+    "top_p": (1.5, 0, 0.8),
+    "top_k_top_p": (1.3, 5, 0.9),
+}
+
+
+def test_processed_probs_matches_reference():
+    rng = np.random.default_rng(0)
+    rows, vocab = 64, 50
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    temperature = rng.choice([0.0, 0.3, 1.0, 1.7], rows).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 20, vocab, vocab + 3], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.05, 0.5, 0.9], rows).astype(np.float32)
+    ours = np.asarray(jax.jit(sampling.processed_probs)(logits, temperature, top_k, top_p))
+    ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
+    np.testing.assert_allclose(ours, ref, atol=2e-6)
+    np.testing.assert_array_equal(ours > 0, ref > 0)
+
+
+def test_processed_probs_matches_zlab():
+    torch = pytest.importorskip("torch")
+    zlab = pytest.importorskip("dflash.model")
+    logits = np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32) * 2
+    for temperature, top_k, top_p in PARAM_CASES.values():
+        ref = zlab._sampling_probs(torch.from_numpy(logits), temperature, top_p, top_k).numpy()
+        params = (np.full(3, x) for x in (temperature, top_k, top_p))
+        np.testing.assert_allclose(sampling.processed_probs(logits, *params), ref, atol=2e-6)
+
+
+def test_processed_probs_broadcasts_over_rows_and_breaks_ties_low():
+    logits = np.random.default_rng(2).normal(size=(2, 3, 12)).astype(np.float32)
+    temperature, top_k, top_p = np.array([0.5, 0.0], np.float32), np.array([4, 0]), np.array([0.9, 1.0])
+    ours = sampling.processed_probs(logits, temperature, top_k, top_p)
+    flat = sampling.processed_probs(logits.reshape(6, 12), *(np.repeat(x, 3) for x in (temperature, top_k, top_p)))
+    np.testing.assert_array_equal(ours, np.asarray(flat).reshape(2, 3, 12))
+
+    tied = np.array([[1.0, 2.0, 2.0, 0.0, 2.0]] * 2, np.float32)
+    probs = sampling.processed_probs(tied, np.array([0.0, 1.0]), np.array([0, 2]), np.array([1.0, 1.0]))
+    np.testing.assert_array_equal(probs[0], [0, 1, 0, 0, 0])
+    np.testing.assert_allclose(probs[1], [0, 0.5, 0.5, 0, 0])
+
+
+def test_validate_sampling_params():
+    sampling.validate_sampling_params(np.array([0.0, 0.7]), np.array([0, 5]), np.array([1.0, 0.1]))
+    for bad in [(-0.1, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -1, 1.0), (1.0, 2.5, 1.0), (1.0, 0, 0.0), (1.0, 0, 1.1)]:
+        with pytest.raises(ValueError):
+            sampling.validate_sampling_params(*bad)
+
+
+# Losslessness: fixed target rows p_k and a deliberately poor drafter q_k (the target's logits,
+# damped and noised), many requests with distinct seeds, random positions and num_drafts.
+VOCAB, N_DRAFTS, N_SAMPLES = 8, 3, 100_000
+
+
+@jax.jit
+def _speculate(target_logits_SV, draft_logits_NV, temperature, top_k, top_p, seeds_R, positions_R, num_drafts_R):
+    def full(x, dtype):
+        return jnp.full(seeds_R.shape, x, dtype)
+
+    params = (full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32))
+    draft_logits_RNV = jnp.broadcast_to(draft_logits_NV, seeds_R.shape + draft_logits_NV.shape)
+    target_logits_RSV = jnp.broadcast_to(target_logits_SV, seeds_R.shape + target_logits_SV.shape)
+    drafts_RN, q_RNV = sampling.sample_drafts(draft_logits_RNV, *params, seeds_R, positions_R)
+    tokens_RS, accepted_R = sampling.rejection_sample(
+        target_logits_RSV, drafts_RN, q_RNV, num_drafts_R, *params, seeds_R, positions_R
+    )
+    p_RSV = sampling.processed_probs(target_logits_RSV, *params)
+    from_p_R = sampling.sample_tokens(p_RSV[:, 0], seeds_R, positions_R, sampling.TARGET_STREAM)
+    return drafts_RN, tokens_RS, accepted_R, from_p_R
+
+
+def _lossless_setup(temperature, top_k, top_p):
+    rng = np.random.default_rng(3)
+    target_logits = rng.normal(size=(N_DRAFTS + 1, VOCAB)).astype(np.float32)
+    draft_logits = (0.5 * target_logits[:N_DRAFTS] + rng.normal(size=(N_DRAFTS, VOCAB))).astype(np.float32)
+    seeds = np.arange(N_SAMPLES, dtype=np.int32)
+    positions = rng.integers(0, 4096, N_SAMPLES).astype(np.int32)
+    num_drafts = rng.integers(0, N_DRAFTS + 1, N_SAMPLES).astype(np.int32)
+    outs = _speculate(target_logits, draft_logits, temperature, top_k, top_p, seeds, positions, num_drafts)
+    p = np.stack([reference_probs(row, temperature, top_k, top_p) for row in target_logits])
+    return p, num_drafts, *(np.asarray(x) for x in outs)
+
+
+@pytest.mark.parametrize("case", PARAM_CASES)
+def test_rejection_sampling_is_lossless(case):
+    p, num_drafts, _, tokens, accepted, _ = _lossless_setup(*PARAM_CASES[case])
+    assert np.all(accepted <= num_drafts)
+    assert np.all(tokens[np.arange(N_SAMPLES), accepted] >= 0)
+    assert np.all((tokens >= 0) == (np.arange(N_DRAFTS + 1) <= accepted[:, None]))
+    for k in range(N_DRAFTS + 1):
+        exists = accepted >= k
+        assert exists.sum() >= 5_000
+        assert chi_square_pvalue(tokens[exists, k], p[k]) > P_MIN, f"output token {k}"
+
+
+def test_chi_square_catches_wrong_samplers():
+    p, num_drafts, drafts, tokens, accepted, from_p = _lossless_setup(*PARAM_CASES["temperature"])
+    assert chi_square_pvalue(tokens[:, 0], p[0]) > P_MIN
+    always_accept = np.where(num_drafts > 0, drafts[:, 0], tokens[:, 0])
+    assert chi_square_pvalue(always_accept, p[0]) < P_MIN
+    replacement_from_p = np.where(accepted > 0, drafts[:, 0], from_p)
+    assert chi_square_pvalue(replacement_from_p, p[0]) < P_MIN
+
+
+def test_drafts_follow_q():
+    temperature, top_k, top_p = PARAM_CASES["top_k_top_p"]
+    rng = np.random.default_rng(4)
+    draft_logits = rng.normal(size=(N_DRAFTS, VOCAB)).astype(np.float32)
+    rows = 20_000
+    drafts, _ = jax.jit(sampling.sample_drafts)(
+        np.broadcast_to(draft_logits, (rows, N_DRAFTS, VOCAB)),
+        np.full(rows, temperature, np.float32),
+        np.full(rows, top_k, np.int32),
+        np.full(rows, top_p, np.float32),
+        np.arange(rows, dtype=np.int32) + 1000,
+        np.full(rows, 17, np.int32),
+    )
+    for j in range(N_DRAFTS):
+        q = reference_probs(draft_logits[j], temperature, top_k, top_p)
+        assert chi_square_pvalue(np.asarray(drafts)[:, j], q) > P_MIN
+
+
+def _greedy_case():
+    rng = np.random.default_rng(5)
+    rows, n, vocab = 6, 4, 16
+    logits = rng.normal(size=(rows, n + 1, vocab)).astype(np.float32)
+    argmax = logits.argmax(-1)
+    matches = np.array([0, 1, 2, 4, 4, 3])
+    num_drafts = np.array([4, 4, 4, 4, 2, 0])
+    drafts = np.where(np.arange(n) < matches[:, None], argmax[:, :n], (argmax[:, :n] + 1) % vocab)
+    q = np.asarray(jax.nn.one_hot(drafts, vocab))
+    return logits, drafts.astype(np.int32), q, num_drafts, np.minimum(matches, num_drafts), argmax
+
+
+def test_greedy_verification():
+    logits, drafts, q, num_drafts, expected, argmax = _greedy_case()
+    rows = len(drafts)
+    zeros = np.zeros(rows)
+    tokens, accepted = jax.jit(sampling.rejection_sample)(
+        logits, drafts, q, num_drafts, zeros, zeros.astype(np.int32), zeros + 1, np.arange(rows), zeros.astype(np.int32)
+    )
+    np.testing.assert_array_equal(accepted, expected)
+    for r, a in enumerate(expected):
+        np.testing.assert_array_equal(tokens[r, :a], drafts[r, :a])
+        assert tokens[r, a] == argmax[r, a]
+        assert np.all(np.asarray(tokens[r, a + 1 :]) == -1)
+
+    # The same greedy rows next to a sampled one take the general path and agree.
+    temperature = np.concatenate([zeros, [0.9]])
+    extra = lambda x, v: np.concatenate([x, [v]])  # noqa: E731
+    tokens2, accepted2 = sampling.rejection_sample(
+        extra(logits, logits[0]), extra(drafts, drafts[0]), extra(q, q[0]), extra(num_drafts, 4),
+        temperature, np.zeros(rows + 1, np.int32), np.ones(rows + 1), np.arange(rows + 1), np.zeros(rows + 1, np.int32),
+    )  # fmt: skip
+    np.testing.assert_array_equal(tokens2[:rows], tokens)
+    np.testing.assert_array_equal(accepted2[:rows], accepted)
+
+
+def test_residual_all_zero_falls_back_to_p():
+    # q == p with top_k = 1: the draft has p = q = 0, is rejected, max(p - q, 0) is all zero.
+    logits = np.array([[[0.0, 3.0, 1.0, 2.0]] * 2], np.float32)
+    params = (np.array([1.0]), np.array([1]), np.array([1.0]))
+    p = sampling.processed_probs(logits, *params)
+    tokens, accepted = sampling.rejection_sample(logits, np.array([[0]]), p[:, :1], np.array([1]), *params, np.array([3]), np.array([9]))
+    assert int(accepted[0]) == 0 and int(tokens[0, 0]) == 1
+
+
+def _random_request(rng, vocab=32, n=4):
+    temperature = rng.choice([0.0, 0.6, 1.0])
+    return dict(
+        draft_logits=rng.normal(size=(n, vocab)).astype(np.float32),
+        target_logits=rng.normal(size=(n + 1, vocab)).astype(np.float32),
+        temperature=np.float32(temperature),
+        top_k=np.int32(rng.choice([0, 8])),
+        top_p=np.float32(rng.choice([1.0, 0.9])),
+        seed=np.int32(rng.integers(0, 2**31 - 1)),
+        position=np.int32(rng.integers(0, 1000)),
+        num_drafts=np.int32(rng.integers(0, n + 1)),
+    )
+
+
+@jax.jit
+def _step(batch):
+    params = (batch["temperature"], batch["top_k"], batch["top_p"])
+    drafts, q = sampling.sample_drafts(batch["draft_logits"], *params, batch["seed"], batch["position"])
+    tokens, accepted = sampling.rejection_sample(
+        batch["target_logits"], drafts, q, batch["num_drafts"], *params, batch["seed"], batch["position"]
+    )
+    return drafts, tokens, accepted
+
+
+def test_batch_invariance():
+    rng = np.random.default_rng(6)
+    for focus in [
+        dict(_random_request(rng), temperature=np.float32(0.9), num_drafts=np.int32(4), top_p=np.float32(0.95)),
+        dict(_random_request(rng), temperature=np.float32(0.0)),
+    ]:
+        others = [_random_request(rng) for _ in range(7)]
+        batch = others[:5] + [focus] + others[5:]
+        stack = lambda reqs: {k: np.stack([r[k] for r in reqs]) for k in focus}  # noqa: E731
+        alone = _step(stack([focus]))
+        together = _step(stack(batch))
+        for x, y in zip(alone, together):
+            np.testing.assert_array_equal(x[0], y[5])
+
+
+def test_streams_and_positions_give_distinct_draws():
+    probs = np.full((3, 1000), 1e-3, np.float32)
+    draws = [
+        sampling.sample_tokens(probs, 7, np.array([5, 6, 5]), sampling.DRAFT_STREAM),
+        sampling.sample_tokens(probs, 7, np.array([5, 6, 5]), sampling.TARGET_STREAM),
+        sampling.sample_tokens(probs, 8, np.array([5, 6, 5]), sampling.DRAFT_STREAM),
+    ]
+    assert int(draws[0][0]) == int(draws[0][2])  # same (seed, stream, position), different row
+    assert len({int(d[0]) for d in draws} | {int(draws[0][1])}) == 4
