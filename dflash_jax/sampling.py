@@ -133,12 +133,22 @@ def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, po
     """(draft_tokens_RN, draft_probs_RNV): draft j is drawn from q at draft row j.
 
     `positions_R` is the anchor's position (as in `rejection_sample`): draft j sits at
-    positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j).
+    positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j). When every row is
+    greedy this is an argmax (no softmax, no draws), with the same result.
     """
-    probs_RNV = processed_probs(draft_logits_RNV, temperature_R, top_k_R, top_p_R)
-    num_drafts = draft_logits_RNV.shape[1]
-    positions_RN = positions_R[:, None] + jnp.arange(num_drafts, dtype=jnp.int32)
-    return sample_tokens(probs_RNV, seeds_R[:, None], positions_RN, DRAFT_STREAM), probs_RNV
+    draft_logits_RNV, temperature_R = jnp.asarray(draft_logits_RNV), jnp.asarray(temperature_R)
+    num_drafts, vocab = draft_logits_RNV.shape[1:]
+
+    def greedy_only():
+        tokens_RN = jnp.argmax(draft_logits_RNV, axis=-1).astype(jnp.int32)
+        return tokens_RN, jax.nn.one_hot(tokens_RN, vocab, dtype=jnp.float32)
+
+    def general():
+        probs_RNV = processed_probs(draft_logits_RNV, temperature_R, top_k_R, top_p_R)
+        positions_RN = jnp.asarray(positions_R)[:, None] + jnp.arange(num_drafts, dtype=jnp.int32)
+        return sample_tokens(probs_RNV, jnp.asarray(seeds_R)[:, None], positions_RN, DRAFT_STREAM), probs_RNV
+
+    return lax.cond(jnp.all(temperature_R == 0), greedy_only, general)
 
 
 def _leading_true(mask_RN) -> jax.Array:

@@ -11,6 +11,8 @@ import pytest
 from dflash_jax import sampling
 
 P_MIN = 1e-3  # chi-square threshold; every test below uses fixed seeds, so none is flaky
+processed_probs = jax.jit(sampling.processed_probs)
+rejection_sample = jax.jit(sampling.rejection_sample)
 
 
 def reference_probs(logits_V, temperature, top_k, top_p):
@@ -61,7 +63,7 @@ def test_processed_probs_matches_reference():
     temperature = rng.choice([0.0, 0.3, 1.0, 1.7], rows).astype(np.float32)
     top_k = rng.choice([0, 1, 5, 20, vocab, vocab + 3], rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.05, 0.5, 0.9], rows).astype(np.float32)
-    ours = np.asarray(jax.jit(sampling.processed_probs)(logits, temperature, top_k, top_p))
+    ours = np.asarray(processed_probs(logits, temperature, top_k, top_p))
     ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
     np.testing.assert_allclose(ours, ref, atol=2e-6)
     np.testing.assert_array_equal(ours > 0, ref > 0)
@@ -74,18 +76,25 @@ def test_processed_probs_matches_zlab():
     for temperature, top_k, top_p in PARAM_CASES.values():
         ref = zlab._sampling_probs(torch.from_numpy(logits), temperature, top_p, top_k).numpy()
         params = (np.full(3, x) for x in (temperature, top_k, top_p))
-        np.testing.assert_allclose(sampling.processed_probs(logits, *params), ref, atol=2e-6)
+        np.testing.assert_allclose(processed_probs(logits, *params), ref, atol=2e-6)
 
 
 def test_processed_probs_broadcasts_over_rows_and_breaks_ties_low():
     logits = np.random.default_rng(2).normal(size=(2, 3, 12)).astype(np.float32)
     temperature, top_k, top_p = np.array([0.5, 0.0], np.float32), np.array([4, 0]), np.array([0.9, 1.0])
-    ours = sampling.processed_probs(logits, temperature, top_k, top_p)
-    flat = sampling.processed_probs(logits.reshape(6, 12), *(np.repeat(x, 3) for x in (temperature, top_k, top_p)))
+    ours = processed_probs(logits, temperature, top_k, top_p)
+    flat = processed_probs(logits.reshape(6, 12), *(np.repeat(x, 3) for x in (temperature, top_k, top_p)))
     np.testing.assert_array_equal(ours, np.asarray(flat).reshape(2, 3, 12))
 
+    # A row's probabilities do not depend on whether another row needs the top-k/top-p sort.
+    plain = logits[:1, 0]
+    with_sorting = np.concatenate([plain, logits[1:, 0]])
+    alone = processed_probs(plain, np.array([0.7]), np.array([0]), np.array([1.0]))
+    batched = processed_probs(with_sorting, np.array([0.7, 1.0]), np.array([0, 3]), np.array([1.0, 0.5]))
+    np.testing.assert_array_equal(alone[0], batched[0])
+
     tied = np.array([[1.0, 2.0, 2.0, 0.0, 2.0]] * 2, np.float32)
-    probs = sampling.processed_probs(tied, np.array([0.0, 1.0]), np.array([0, 2]), np.array([1.0, 1.0]))
+    probs = processed_probs(tied, np.array([0.0, 1.0]), np.array([0, 2]), np.array([1.0, 1.0]))
     np.testing.assert_array_equal(probs[0], [0, 1, 0, 0, 0])
     np.testing.assert_allclose(probs[1], [0, 0.5, 0.5, 0, 0])
 
@@ -186,7 +195,7 @@ def test_greedy_verification():
     logits, drafts, q, num_drafts, expected, argmax = _greedy_case()
     rows = len(drafts)
     zeros = np.zeros(rows)
-    tokens, accepted = jax.jit(sampling.rejection_sample)(
+    tokens, accepted = rejection_sample(
         logits, drafts, q, num_drafts, zeros, zeros.astype(np.int32), zeros + 1, np.arange(rows), zeros.astype(np.int32)
     )
     np.testing.assert_array_equal(accepted, expected)
@@ -198,7 +207,7 @@ def test_greedy_verification():
     # The same greedy rows next to a sampled one take the general path and agree.
     temperature = np.concatenate([zeros, [0.9]])
     extra = lambda x, v: np.concatenate([x, [v]])  # noqa: E731
-    tokens2, accepted2 = sampling.rejection_sample(
+    tokens2, accepted2 = rejection_sample(
         extra(logits, logits[0]), extra(drafts, drafts[0]), extra(q, q[0]), extra(num_drafts, 4),
         temperature, np.zeros(rows + 1, np.int32), np.ones(rows + 1), np.arange(rows + 1), np.zeros(rows + 1, np.int32),
     )  # fmt: skip
@@ -210,8 +219,8 @@ def test_residual_all_zero_falls_back_to_p():
     # q == p with top_k = 1: the draft has p = q = 0, is rejected, max(p - q, 0) is all zero.
     logits = np.array([[[0.0, 3.0, 1.0, 2.0]] * 2], np.float32)
     params = (np.array([1.0]), np.array([1]), np.array([1.0]))
-    p = sampling.processed_probs(logits, *params)
-    tokens, accepted = sampling.rejection_sample(logits, np.array([[0]]), p[:, :1], np.array([1]), *params, np.array([3]), np.array([9]))
+    p = processed_probs(logits, *params)
+    tokens, accepted = rejection_sample(logits, np.array([[0]]), p[:, :1], np.array([1]), *params, np.array([3]), np.array([9]))
     assert int(accepted[0]) == 0 and int(tokens[0, 0]) == 1
 
 
