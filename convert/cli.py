@@ -13,11 +13,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert",
-        help="convert a HF target or z-lab DFlash drafter folder to an orbax checkpoint",
+        help="convert a HF target or z-lab DFlash drafter folder, or a GGUF file, to an orbax checkpoint",
         description="Convert a HF folder (config.json + safetensors, or .bin/.pt with the torch "
-        "extra) to an orbax checkpoint. Target or drafter is read from config.json's architectures.",
+        "extra) to an orbax checkpoint. Target or drafter is read from config.json's architectures. "
+        "HF_DIR may also be a llama.cpp .gguf file (Llama targets; needs the gguf extra): it is "
+        "dequantized, and its tokenizer is written as tokenizer.json next to the weights.",
     )
-    parser.add_argument("hf_dir", type=Path, help="HF model folder")
+    parser.add_argument("hf_dir", type=Path, help="HF model folder, or a .gguf file")
     parser.add_argument("out_dir", type=Path, help="output folder (must not exist unless --force)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")

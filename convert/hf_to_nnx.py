@@ -1,4 +1,4 @@
-"""HF checkpoint folder -> NNX model, and -> orbax folder (atomically).
+"""HF checkpoint folder (or llama.cpp GGUF file) -> NNX model, and -> orbax folder (atomically).
 
 Every tensor is checked before it is placed: a missing or unexpected name, or a shape that
 differs from the model the config describes, stops the conversion with the tensor's name.
@@ -20,6 +20,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from convert.checkpoint_reader import ConversionError, open_checkpoint
+from convert.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
+from convert.gguf_tokenizer import gguf_tokenizer_files
 from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.checkpoint import abstract_model, model_from_params, save_checkpoint
 from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
@@ -35,11 +37,20 @@ SIDE_FILES = (
 
 
 def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
-    """(raw config, model) from a HF folder; `dtype` None keeps the checkpoint's dtype."""
+    """(raw config, model) from a HF folder or a .gguf file; `dtype` None keeps the stored dtype.
+
+    A GGUF file's tensors keep their llama.cpp names (so errors name what is in the file) and
+    come dequantized to float32, which is then the default dtype.
+    """
     hf_dir = Path(hf_dir)
-    raw_config = read_config_json(hf_dir)
-    cfg = parse_config(raw_config)
-    source = open_checkpoint(hf_dir)
+    gguf = is_gguf_file(hf_dir)
+    if gguf:
+        raw_config, source = open_gguf(hf_dir)
+        cfg = parse_config(raw_config)
+    else:
+        raw_config = read_config_json(hf_dir)
+        cfg = parse_config(raw_config)
+        source = open_checkpoint(hf_dir)
     shapes = dict(source.shapes)
     aliases = {}
     if isinstance(cfg, DrafterConfig):
@@ -49,7 +60,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
         cfg, raw_config = _resolve_fc_width(cfg, raw_config, shapes)
         rules, ignored = drafter_rules(cfg), drafter_ignored
     else:
-        rules, ignored = target_rules(cfg), target_ignored
+        rules, ignored = (gguf_target_rules(cfg) if gguf else target_rules(cfg)), target_ignored
 
     expected = {rule.hf_name for rule in rules}
     unexpected = sorted(n for n in shapes if n not in expected and not ignored(cfg, n))
@@ -86,10 +97,15 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
 def convert_checkpoint(
     hf_dir: str | Path, out_dir: str | Path, *, dtype=None, force: bool = False, progress: bool = False
 ) -> tuple[TargetConfig | DrafterConfig, jnp.dtype]:
-    """Convert `hf_dir` into an orbax folder at `out_dir`; returns (config, dtype written)."""
+    """Convert `hf_dir` (folder or .gguf file) into an orbax folder at `out_dir`.
+
+    Returns (config, dtype written). A GGUF file's tokenizer is rebuilt from its metadata
+    first, so an unsupported tokenizer stops the conversion before any weight is read.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
         raise ConversionError(f"{out_dir} already exists; pass --force to replace it.")
+    tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
     raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -99,6 +115,8 @@ def convert_checkpoint(
         for name in SIDE_FILES:
             if (Path(hf_dir) / name).is_file():
                 shutil.copy2(Path(hf_dir) / name, written / name)
+        for name, text in tokenizer_files.items():
+            (written / name).write_text(text)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         written.rename(out_dir)

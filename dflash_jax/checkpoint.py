@@ -73,10 +73,11 @@ def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
 
 
 def load_model(path: str | Path, dtype=None) -> Target | Drafter:
-    """An orbax folder written by the converter, or a HF folder converted on the fly."""
+    """An orbax folder written by the converter, or a HF folder / .gguf file converted on the fly."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a folder; give a converted or a HF model folder.")
+    is_gguf = path.suffix.lower() == ".gguf" and path.is_file()
+    if not (path.is_dir() or is_gguf):
+        raise FileNotFoundError(f"{path} is neither a folder nor a .gguf file; give a converted or a HF model folder.")
     if is_orbax_checkpoint(path):
         return load_checkpoint(path, dtype)
     from convert.hf_to_nnx import model_from_hf

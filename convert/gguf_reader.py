@@ -1,0 +1,166 @@
+"""Read a llama.cpp GGUF file as a HF-style config plus a `TensorSource`, without torch.
+
+GGUF keeps the config in `llama.*` metadata and the weights under llama.cpp names
+(`blk.N.attn_q.weight`, ...), often block-quantized. This module turns the metadata into the
+`TargetConfig` the rest of the project uses (written out as a HF `config.json`) and serves
+each tensor dequantized to float32 in the HF layout, so `hf_to_nnx` converts it with the same
+rules and shape checks as a safetensors folder. Only the Llama architecture is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from convert.checkpoint_reader import ConversionError, TensorSource
+from convert.weight_map import WeightRule, target_rules
+from dflash_jax.config import RopeConfig, TargetConfig, to_hf_config
+
+# llama.cpp tensor names -> HF names: whole-model tensors, then per-block ones (`blk.N.`).
+MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_HF_TO_GGUF = {hf: gguf for gguf, hf in MODEL_TENSORS.items()}
+_HF_BLOCK_TO_GGUF = {hf: gguf for gguf, hf in BLOCK_TENSORS.items()}
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir()
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`."""
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        layer, module = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{_HF_BLOCK_TO_GGUF[module]}.{suffix}"
+    return f"{_HF_TO_GGUF[stem]}.{suffix}"
+
+
+def gguf_target_rules(cfg: TargetConfig) -> list[WeightRule]:
+    """The HF target rules with each tensor renamed to the name it has in a GGUF file."""
+    return [WeightRule(gguf_tensor_name(r.hf_name), r.path, r.transpose) for r in target_rules(cfg)]
+
+
+def open_gguf_reader(path: str | Path):
+    """A `gguf.GGUFReader`, or a ConversionError when the file is missing or unreadable."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ConversionError("reading .gguf files needs the gguf extra: pip install 'dflash-jax[gguf]'.") from err
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist; give a .gguf file or a HF model folder.")
+    try:
+        return GGUFReader(path)
+    except Exception as err:  # the reader raises ValueError, KeyError, IndexError... on bad bytes
+        raise ConversionError(f"{path.name} is truncated or corrupt ({err}); download it again.") from err
+
+
+def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
+    """(HF config.json dict, tensors by GGUF name in HF layout: float32, q/k rows un-permuted)."""
+    reader = open_gguf_reader(path)
+    metadata = gguf_metadata(reader)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name)
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+
+    def get(name: str) -> np.ndarray:
+        from gguf import dequantize
+
+        tensor = tensors[name]
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as err:
+            raise ConversionError(f"cannot dequantize {name!r} ({tensor.tensor_type.name}): {err}") from err
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        return unpermute_rows(array, heads[kind]) if kind in heads else array
+
+    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    return to_hf_config(cfg), TensorSource(shapes, get)
+
+
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (its `permute` in convert_hf_to_gguf.py) for `[out, ...]`.
+
+    llama.cpp stores each head's rows interleaved (GPT-J style rotation: pairs 0,1 / 2,3 ...);
+    HF rotates halves (neox style: pairs i, i + head_dim/2). Per head, row 2j+k of the file is
+    HF row k*head_dim/2 + j, so view rows as [head, j, k] and swap to [head, k, j].
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader) -> dict:
+    """Metadata key -> Python value (str, number, bool or list), without the GGUF.* header keys."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: str) -> TargetConfig:
+    """`llama.*` metadata -> TargetConfig; vocabulary from the token list or the embedding."""
+    architecture = metadata.get("general.architecture")
+    if architecture != "llama":
+        raise ConversionError(
+            f"{file_name} holds a {architecture!r} model; only GGUF files of the 'llama' architecture are supported."
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ConversionError(
+            f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style), which "
+            "this converter does not read; convert the HF checkpoint instead."
+        )
+
+    def field(key: str, default=None):
+        value = metadata.get(f"llama.{key}", default)
+        if value is None:
+            raise ConversionError(f"{file_name} has no llama.{key} metadata; the file is incomplete.")
+        return value
+
+    hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = len(tokens) if tokens else metadata.get("llama.vocab_size")
+    if vocab_size is None:
+        raise ConversionError(f"{file_name} has neither a token list nor llama.vocab_size metadata.")
+    return TargetConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(field("feed_forward_length")),
+        num_layers=int(field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field("attention.head_count_kv", heads)),
+        head_dim=int(field("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        rope=_rope_config(metadata, file_name),
+        max_position_embeddings=int(field("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        qk_norm=False,
+    )
+
+
+def _rope_config(metadata: dict, file_name: str) -> RopeConfig:
+    """`llama.rope.*`: base frequency and the scaling llama.cpp records (none, linear or yarn)."""
+    theta = float(metadata.get("llama.rope.freq_base", 1e4))
+    scaling_type = metadata.get("llama.rope.scaling.type", "none")
+    factor = metadata.get("llama.rope.scaling.factor")
+    if scaling_type == "none" or factor in (None, 0.0, 1.0):
+        return RopeConfig(theta=theta)
+    if scaling_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", scaling=(("factor", float(factor)),))
+    if scaling_type == "yarn":
+        original = int(metadata.get("llama.rope.scaling.original_context_length", metadata["llama.context_length"]))
+        scaling = (("factor", float(factor)), ("original_max_position_embeddings", original))
+        return RopeConfig(theta=theta, rope_type="yarn", scaling=scaling)
+    raise ConversionError(f"{file_name} uses RoPE scaling {scaling_type!r}; supported: none, linear, yarn.")

