@@ -25,6 +25,8 @@ which is harmless since nothing depended on them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,31 +58,35 @@ def _per_row(param, logits) -> jax.Array:
     return jnp.broadcast_to(param, logits.shape[:-1])
 
 
-def _unsort(sorted_x, order) -> jax.Array:
-    """Scatter values given in `order` (per row) back to vocabulary order."""
-    return jnp.put_along_axis(jnp.zeros_like(sorted_x), order, sorted_x, axis=-1, inplace=False)
+# When every truncating row has 0 < top_k <= this, top-k/top-p need only the top
+# TOP_K_FAST candidates (lax.top_k) instead of a sort over the whole vocabulary.
+TOP_K_FAST = 64
 
 
-def _truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
-    """Tokens kept by top-k (ranks < top_k) then top-p (mass before the token < top_p)."""
-    order = jnp.argsort(scores, axis=-1, stable=True, descending=True)
-    rank = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax.Array:
+    """Tokens kept by top-k (rank < top_k) then top-p (mass before the token < top_p).
+
+    Only the `candidates` best tokens can be kept: the caller passes the vocabulary size,
+    or TOP_K_FAST when no truncating row keeps more. lax.top_k ranks ties lowest index first.
+    """
+    _, order = lax.top_k(scores, candidates)
+    rank = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
     in_k_sorted = rank < top_k[..., None]
-    probs_k = jnp.where(_unsort(in_k_sorted, order), probs, 0.0)
-    probs_k = probs_k / probs_k.sum(-1, keepdims=True)
-    sorted_probs = jnp.take_along_axis(probs_k, order, axis=-1)
+    sorted_probs = jnp.where(in_k_sorted, jnp.take_along_axis(probs, order, axis=-1), 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdims=True)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    in_p_sorted = (mass_before < top_p[..., None]) | ~use_p[..., None]
-    return _unsort(in_k_sorted & in_p_sorted, order)
+    keep_sorted = in_k_sorted & ((mass_before < top_p[..., None]) | ~use_p[..., None])
+    return jnp.put_along_axis(jnp.zeros(scores.shape, bool), order, keep_sorted, axis=-1, inplace=False)
 
 
 def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     """The target's (or drafter's) sampling distribution, float32, same shape as `logits`.
 
     logits [R, V] or [R, S, V]; temperature, top_k, top_p [R] (broadcast over S) or the
-    full leading shape. Greedy rows give a one-hot at argmax. The sort behind top-k/top-p
-    runs only when some row uses them; the result for a row is the same either way, so it
-    does not depend on the batch.
+    full leading shape. Greedy rows give a one-hot at argmax. The ranking behind
+    top-k/top-p runs only when some row uses them, over TOP_K_FAST candidates when that
+    suffices; a row's result is the same on every path (up to float summation order inside
+    the top-p mass), so it does not depend on the batch.
     """
     logits = jnp.asarray(logits)
     vocab = logits.shape[-1]
@@ -91,9 +97,12 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1) & ~greedy
     truncate = use_k | use_p
+    top_k = jnp.where(use_k, top_k, vocab)
+    mask = functools.partial(_truncation_mask, scores, probs, top_k, top_p, use_p)
+    fast = min(TOP_K_FAST, vocab)
     keep = lax.cond(
         jnp.any(truncate),
-        lambda: _truncation_mask(scores, probs, jnp.where(use_k, top_k, vocab), top_p, use_p),
+        lambda: lax.cond(jnp.all(~truncate | (top_k <= fast)), lambda: mask(fast), lambda: mask(vocab)),
         lambda: jnp.ones(logits.shape, bool),
     )
     kept = jnp.where(keep, probs, 0.0)
@@ -122,7 +131,7 @@ def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
     always returns its hot index, whatever the noise.
     """
     probs = jnp.asarray(probs, jnp.float32)
-    keys = draw_keys(seeds, positions, stream)
+    keys = draw_keys(jnp.broadcast_to(seeds, probs.shape[:-1]), positions, stream)
     vocab = probs.shape[-1]
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys.reshape(-1))
     scores = jnp.log(probs) + gumbel.reshape(keys.shape + (vocab,))

@@ -56,12 +56,17 @@ PARAM_CASES = {
 }
 
 
-def test_processed_probs_matches_reference():
+@pytest.mark.parametrize(
+    "vocab, top_ks",
+    [(50, [0, 1, 5, 20, 50, 53]), (200, [1, 5, 20, sampling.TOP_K_FAST]), (200, [0, 1, 20, 100, 200])],
+    ids=["small_vocab", "top_k_fast_path", "full_ranking"],
+)
+def test_processed_probs_matches_reference(vocab, top_ks):
     rng = np.random.default_rng(0)
-    rows, vocab = 64, 50
+    rows = 64
     logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
     temperature = rng.choice([0.0, 0.3, 1.0, 1.7], rows).astype(np.float32)
-    top_k = rng.choice([0, 1, 5, 20, vocab, vocab + 3], rows).astype(np.int32)
+    top_k = rng.choice(top_ks, rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.05, 0.5, 0.9], rows).astype(np.float32)
     ours = np.asarray(processed_probs(logits, temperature, top_k, top_p))
     ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
@@ -86,12 +91,16 @@ def test_processed_probs_broadcasts_over_rows_and_breaks_ties_low():
     flat = processed_probs(logits.reshape(6, 12), *(np.repeat(x, 3) for x in (temperature, top_k, top_p)))
     np.testing.assert_array_equal(ours, np.asarray(flat).reshape(2, 3, 12))
 
-    # A row's probabilities do not depend on whether another row needs the top-k/top-p sort.
-    plain = logits[:1, 0]
-    with_sorting = np.concatenate([plain, logits[1:, 0]])
-    alone = processed_probs(plain, np.array([0.7]), np.array([0]), np.array([1.0]))
-    batched = processed_probs(with_sorting, np.array([0.7, 1.0]), np.array([0, 3]), np.array([1.0, 0.5]))
+    # A row's probabilities do not depend on which ranking path its batch takes.
+    row = np.random.default_rng(7).normal(size=(1, 300)).astype(np.float32)
+    alone = processed_probs(row, np.array([0.7]), np.array([0]), np.array([1.0]))
+    batched = processed_probs(np.concatenate([row, row]), np.array([0.7, 1.0]), np.array([0, 3]), np.array([1.0, 0.5]))
     np.testing.assert_array_equal(alone[0], batched[0])
+    top_k_row = (np.array([0.7]), np.array([20]), np.array([0.9]))
+    fast = processed_probs(row, *top_k_row)
+    full = processed_probs(np.concatenate([row, row]), *(np.append(x, y) for x, y in zip(top_k_row, (1.0, 0, 0.5))))
+    np.testing.assert_allclose(fast[0], full[0], rtol=1e-6, atol=0)
+    np.testing.assert_array_equal(fast[0] > 0, full[0] > 0)
 
     tied = np.array([[1.0, 2.0, 2.0, 0.0, 2.0]] * 2, np.float32)
     probs = processed_probs(tied, np.array([0.0, 1.0]), np.array([0, 2]), np.array([1.0, 1.0]))
@@ -272,3 +281,5 @@ def test_streams_and_positions_give_distinct_draws():
     ]
     assert int(draws[0][0]) == int(draws[0][2])  # same (seed, stream, position), different row
     assert len({int(d[0]) for d in draws} | {int(draws[0][1])}) == 4
+    # Scalar seed and position: one key, the same draw in every row.
+    assert len(set(np.asarray(sampling.sample_tokens(probs, 7, 5, sampling.DRAFT_STREAM)).tolist())) == 1
