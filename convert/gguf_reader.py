@@ -9,6 +9,7 @@ rules and shape checks as a safetensors folder. Only the Llama architecture is r
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -48,20 +49,29 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def gguf_target_rules(cfg: TargetConfig) -> list[WeightRule]:
-    """The HF target rules with each tensor renamed to the name it has in a GGUF file."""
+    """The HF target rules, each `hf_name` replaced by the tensor's name in a GGUF file."""
     return [WeightRule(gguf_tensor_name(r.hf_name), r.path, r.transpose) for r in target_rules(cfg)]
 
 
 def open_gguf_reader(path: str | Path):
-    """A `gguf.GGUFReader`, or a ConversionError when the file is missing or unreadable."""
+    """A `gguf.GGUFReader`, or a ConversionError when the file is missing or unreadable.
+
+    The last reader is kept (keyed by size and mtime): a conversion reads the file for its
+    tokenizer and again for its weights, and parsing a 49k-token vocabulary takes seconds.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist; give a .gguf file or a HF model folder.")
+    stat = path.stat()
+    return _gguf_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: Path, size: int, mtime_ns: int):
     try:
         from gguf import GGUFReader
     except ImportError as err:
         raise ConversionError("reading .gguf files needs the gguf extra: pip install 'dflash-jax[gguf]'.") from err
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConversionError(f"{path} does not exist; give a .gguf file or a HF model folder.")
     try:
         return GGUFReader(path)
     except Exception as err:  # the reader raises ValueError, KeyError, IndexError... on bad bytes

@@ -172,6 +172,41 @@ def test_tiny_gguf_tokenizer_matches_transformers(tmp_path):
     assert config["chat_template"] == CHAT_TEMPLATE and config["eos_token"] == "<|im_end|>"
 
 
+METADATA = {
+    "general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+    "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.context_length": 4096, "llama.vocab_size": 100,
+}
+ROPE_SCALING = {
+    "none": ({}, "default", {}),
+    "linear": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, "linear", {"factor": 4.0}),
+    "yarn": (
+        {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+         "llama.rope.scaling.original_context_length": 1024},
+        "yarn", {"factor": 4.0, "original_max_position_embeddings": 1024},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_SCALING))
+def test_rope_scaling_from_metadata_survives_config_json(case):
+    from convert.gguf_reader import target_config_from_gguf
+    from dflash_jax.config import parse_config, to_hf_config
+
+    extra, rope_type, scaling = ROPE_SCALING[case]
+    cfg = target_config_from_gguf({**METADATA, **extra}, {"token_embd.weight"}, "x.gguf")
+    assert (cfg.rope.rope_type, dict(cfg.rope.scaling), cfg.head_dim) == (rope_type, scaling, 16)
+    assert parse_config(to_hf_config(cfg)) == cfg
+
+
+def test_per_frequency_rope_factors_are_refused():
+    from convert.checkpoint_reader import ConversionError
+    from convert.gguf_reader import target_config_from_gguf
+
+    with pytest.raises(ConversionError, match="rope_freqs.weight"):
+        target_config_from_gguf(METADATA, {"token_embd.weight", "rope_freqs.weight"}, "x.gguf")
+
+
 # --- bad input: exit code 2, one line naming the problem, nothing written -----------------------
 
 
