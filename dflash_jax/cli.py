@@ -6,12 +6,14 @@ import argparse
 import sys
 
 from convert import cli as convert_cli
+from dflash_jax.train import cli as train_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     convert_cli.add_parser(subparsers)
+    train_cli.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,82 @@
+"""The drafter training set on disk, and fixed-shape batches from it.
+
+One `.npz` file: `token_ids` (int32, all sequences concatenated), `loss_mask` (bool, same
+length: on for response tokens, the ones the drafter learns to predict), `offsets` (int64
+[N+1], sequence n is `offsets[n]:offsets[n+1]`) and `meta` (a JSON string: where the data came
+from, for the model card). Plain numpy: no pickle, loads anywhere.
+
+Batches are always [batch_size, max_length] (one compiled step): sequences are cut at
+max_length, short ones padded with loss mask off, and the last batch of an epoch is filled with
+empty rows. The order is a permutation drawn from (seed, epoch), so step s always sees the same
+batch and a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def save_dataset(
+    path: str | Path, sequences: Sequence[tuple[Sequence[int], Sequence[bool]]], meta: dict[str, Any]
+) -> Path:
+    """Write (token ids, loss mask) pairs to `path` (.npz)."""
+    if not sequences:
+        raise ValueError("no sequences to save; the prompt source produced nothing.")
+    for ids, mask in sequences:
+        if len(ids) != len(mask):
+            raise ValueError(f"a sequence has {len(ids)} tokens but {len(mask)} loss-mask entries.")
+    lengths = [len(ids) for ids, _ in sequences]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez(
+            f,
+            token_ids=np.concatenate([np.asarray(ids, np.int32) for ids, _ in sequences]),
+            loss_mask=np.concatenate([np.asarray(mask, bool) for _, mask in sequences]),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            meta=np.array(json.dumps(meta)),
+        )
+    return path
+
+
+class DrafterDataset:
+    """Sequences of a saved training set, served as fixed-shape padded batches."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; build it with `dflash-jax build-drafter-data`.")
+        with np.load(path) as data:
+            missing = {"token_ids", "loss_mask", "offsets"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path} lacks {sorted(missing)}; it is not a drafter training set.")
+            self.token_ids = data["token_ids"].astype(np.int32)
+            self.loss_mask = data["loss_mask"].astype(bool)
+            self.offsets = data["offsets"].astype(np.int64)
+            self.meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
+        if len(self) == 0:
+            raise ValueError(f"{path} holds no sequences.")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return -(-len(self) // batch_size)
+
+    def batch(self, step: int, batch_size: int, max_length: int, seed: int):
+        """(token_ids int32 [batch_size, max_length], loss_mask bool [same]) for `step`."""
+        epoch, index = divmod(step, self.steps_per_epoch(batch_size))
+        order = np.random.default_rng([seed, epoch]).permutation(len(self))
+        rows = order[index * batch_size : (index + 1) * batch_size]
+        token_ids = np.zeros((batch_size, max_length), np.int32)
+        loss_mask = np.zeros((batch_size, max_length), bool)
+        for row, n in enumerate(rows):
+            start = self.offsets[n]
+            end = min(self.offsets[n + 1], start + max_length)
+            token_ids[row, : end - start] = self.token_ids[start:end]
+            loss_mask[row, : end - start] = self.loss_mask[start:end]
+        return token_ids, loss_mask

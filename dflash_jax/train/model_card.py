@@ -1,0 +1,43 @@
+"""README.md for an exported drafter: what it was trained on and how, for whoever loads it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_model_card(export_dir: str | Path, result, hp, data_meta: dict[str, Any], **run: Any) -> Path:
+    """Write `export_dir/README.md` from the run's settings, data provenance and final metrics."""
+    cfg = result.drafter.cfg
+    accuracy = " ".join(f"{a:.3f}" for a in result.accuracy)
+    text = f"""---
+library_name: dflash-jax
+tags: [dflash, speculative-decoding, drafter]
+---
+
+# DFlash-1 drafter (trained with dflash-jax)
+
+A block drafter for speculative decoding (DFlash, arXiv:2602.06036) in the z-lab DFlash-1
+format: `config.json` with `dflash_config`, weights in `model.safetensors` (bf16). It has no
+embedding or LM head of its own: load it next to its target.
+
+- target: `{run.get('target')}`
+- drafter: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size},
+  mask token {cfg.mask_token_id}, target layers {list(cfg.target_layer_ids)}
+- data: `{run.get('data')}`
+```json
+{json.dumps(data_meta, indent=2)}
+```
+- steps: {result.steps_done}, batch {run.get('batch_size')} sequences, max length {run.get('max_length')}
+- hyperparameters:
+```json
+{json.dumps(dataclasses.asdict(hp), indent=2)}
+```
+- final training loss {result.losses[-1] if result.losses else float('nan'):.4f}; per-slot accuracy
+  (slots 1..{cfg.block_size - 1}) on the last batch: {accuracy}
+"""
+    path = Path(export_dir) / "README.md"
+    path.write_text(text)
+    return path

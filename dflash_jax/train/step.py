@@ -1,0 +1,114 @@
+"""The jitted train step: frozen target features, drafter loss, AdamW update, all in one program.
+
+Master weights are float32 pure dicts (`nnx.to_pure_dict` layout, so orbax saves them as
+plain trees); the forward merges a bf16 copy into a drafter built for bf16, so matmuls run in
+bf16 and gradients flow back to the float32 masters through the cast. The target runs in the
+same step under `stop_gradient`: its parameters are an input, never updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dflash_jax.checkpoint import model_from_params
+from dflash_jax.config import DrafterConfig
+from dflash_jax.train.anchors import sample_anchors
+from dflash_jax.train.forward import block_logits, target_logits_and_features
+from dflash_jax.train.loss import block_loss_terms, block_targets, default_gamma, slot_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparams:
+    """Optimisation settings; defaults follow SpecForge's Qwen3-8B DFlash recipe (spec 7)."""
+
+    total_steps: int
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: default_gamma(block_size)
+    max_anchors: int = 512
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps is {self.total_steps}; train for at least one step.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio {self.warmup_ratio} must lie in [0, 1).")
+        if self.max_anchors < 1:
+            raise ValueError(f"max_anchors is {self.max_anchors}; use at least one anchor per sequence.")
+
+
+def learning_rate_schedule(hp: Hyperparams) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then cosine decay to 0 at the last step."""
+    warmup = int(round(hp.warmup_ratio * hp.total_steps))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, hp.learning_rate, warmup_steps=warmup, decay_steps=max(hp.total_steps, warmup + 1)
+    )
+
+
+def make_optimizer(hp: Hyperparams) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW; no weight decay on norm weights and biases (1-D)."""
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(hp.grad_clip),
+        optax.adamw(learning_rate_schedule(hp), weight_decay=hp.weight_decay, mask=decay_mask),
+    )
+
+
+def drafter_params(drafter) -> dict:
+    """float32 master copy of a drafter's parameters as a pure dict (a copy: the step donates it)."""
+    return jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+
+
+def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
+    """A jitted `step(params, opt_state, target_state, token_ids [N, L], loss_mask [N, L], step)`
+    returning (params, opt_state, metrics); params and optimizer state are donated.
+
+    metrics: loss, grad_norm, learning_rate, and per-slot accuracy [B-1] (slot k predicts
+    x_{p+k}) with the number of counted predictions per slot.
+    """
+    optimizer = make_optimizer(hp)
+    schedule = learning_rate_schedule(hp)
+    compute_dtype = jnp.dtype(hp.compute_dtype)
+    weights_K = slot_weights(cfg.block_size, hp.gamma or default_gamma(cfg.block_size))
+    base_key = jax.random.key(hp.seed)
+
+    def loss_fn(params, target_state, token_ids_NL, loss_mask_NL, key):
+        target = nnx.merge(target_graph, target_state)
+        drafter = model_from_params(cfg, compute_dtype, jax.tree.map(lambda x: x.astype(compute_dtype), params))
+
+        def one_sequence(token_ids_L, loss_mask_L, seq_key):
+            _, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
+            anchors_A, valid_A = sample_anchors(seq_key, loss_mask_L, hp.max_anchors)
+            logits_AKV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
+            labels_AK, counted_AK = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.block_size)
+            return block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K)
+
+        keys = jax.random.split(key, token_ids_NL.shape[0])
+        ce, weight, correct_K, counted_K = jax.vmap(one_sequence)(token_ids_NL, loss_mask_NL, keys)
+        loss = jnp.sum(ce) / jnp.maximum(jnp.sum(weight), 1e-9)
+        return loss, (jnp.sum(correct_K, 0), jnp.sum(counted_K, 0))
+
+    def step(params, opt_state, target_state, token_ids_NL, loss_mask_NL, step_index):
+        key = jax.random.fold_in(base_key, step_index)
+        (loss, (correct_K, counted_K)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, target_state, token_ids_NL, loss_mask_NL, key
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = dict(
+            loss=loss,
+            grad_norm=optax.global_norm(grads),
+            learning_rate=schedule(step_index),
+            accuracy=correct_K / jnp.maximum(counted_K, 1.0),
+            counted=counted_K,
+        )
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return optimizer, jax.jit(step, donate_argnums=(0, 1))

@@ -1,0 +1,92 @@
+"""The training loop: batches, the jitted step, orbax checkpoints to resume, a progress bar.
+
+Checkpoints (float32 master params + optimizer state, keyed by step) go to
+`work_dir/checkpoints`; a run started again with the same work_dir resumes from the latest,
+and because batches and anchors are keyed by step the resumed run matches an unbroken one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from dflash_jax.checkpoint import model_from_params
+from dflash_jax.config import check_drafter_fits_target
+from dflash_jax.models import Drafter, Target
+from dflash_jax.train.data import DrafterDataset
+from dflash_jax.train.step import Hyperparams, drafter_params, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    drafter: Drafter  # float32, trained
+    losses: list[float]  # per step run in this call
+    accuracy: np.ndarray  # per-slot accuracy of the last step, [B-1]
+    steps_done: int
+
+
+def train_drafter(
+    target: Target,
+    drafter: Drafter,
+    dataset: DrafterDataset,
+    hp: Hyperparams,
+    work_dir: str | Path,
+    *,
+    batch_size: int,
+    max_length: int,
+    checkpoint_every: int = 1000,
+    progress: bool = True,
+) -> TrainResult:
+    """Train `drafter` against the frozen `target` for `hp.total_steps` steps (resuming)."""
+    check_drafter_fits_target(target.cfg, drafter.cfg)
+    if max_length < drafter.cfg.block_size:
+        raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.block_size}.")
+    cfg = drafter.cfg
+    target = _cast(target, hp.compute_dtype)
+    target_graph, target_state = nnx.split(target)
+    optimizer, step_fn = make_train_step(cfg, target_graph, hp)
+    params = drafter_params(drafter)
+    opt_state = optimizer.init(params)
+
+    manager = ocp.CheckpointManager(
+        Path(work_dir, "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
+    start = manager.latest_step() or 0
+    if start:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+        restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        params, opt_state = restored["params"], restored["opt_state"]
+
+    losses, accuracy = [], np.zeros(cfg.block_size - 1)
+    bar = tqdm(range(start, hp.total_steps), initial=start, total=hp.total_steps, disable=not progress, desc="train")
+    try:
+        for step in bar:
+            token_ids, loss_mask = dataset.batch(step, batch_size, max_length, hp.seed)
+            params, opt_state, metrics = step_fn(params, opt_state, target_state, token_ids, loss_mask, step)
+            losses.append(float(metrics["loss"]))
+            accuracy = np.asarray(metrics["accuracy"])
+            bar.set_postfix_str(
+                f"loss {losses[-1]:.3f} lr {float(metrics['learning_rate']):.2e} "
+                f"acc {' '.join(f'{a:.2f}' for a in accuracy[:8])}"
+            )
+            done = step + 1
+            if done % checkpoint_every == 0 or done == hp.total_steps:
+                manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    finally:  # an interrupted run still leaves its last checkpoint complete
+        manager.wait_until_finished()
+        manager.close()
+    trained = model_from_params(cfg, jnp.float32, params)
+    return TrainResult(trained, losses, accuracy, hp.total_steps)
+
+
+def _cast(model, dtype):
+    """The frozen model rebuilt in the compute dtype (layers compute in their own dtype)."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return model_from_params(model.cfg, jnp.dtype(dtype), jax.tree.map(lambda x: x.astype(dtype), params))
