@@ -3,15 +3,19 @@
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.dense import draft_logits, target_forward
+from dflash_jax.generate import GenerateResult, generate, generate_autoregressive
 from dflash_jax.models import Drafter, Target
 
 __all__ = [
     "ConfigError",
     "Drafter",
     "DrafterConfig",
+    "GenerateResult",
     "Target",
     "TargetConfig",
     "draft_logits",
+    "generate",
+    "generate_autoregressive",
     "load_drafter",
     "load_target",
     "target_forward",

@@ -45,3 +45,53 @@ def dense_attention(q_TNH, k_SKH, v_SKH, mask_TS):
     probs_KGTS = jax.nn.softmax(scores_KGTS, axis=-1)
     out_TKGH = jnp.einsum("kgts,skh->tkgh", probs_KGTS.astype(v_SKH.dtype), v_SKH)
     return out_TKGH.reshape(num_tokens, num_heads, head_dim).astype(q_TNH.dtype)
+
+
+def paged_attention(
+    q_TNH,
+    q_positions_T,
+    q_req_T,
+    k_slots_XKH,
+    v_slots_XKH,
+    block_table_RM,
+    seq_lens_R,
+    *,
+    page_size: int,
+    rule: LayerAttention,
+    token_tile: int = 64,
+):
+    """Ragged queries over paged K/V: the jnp reference a Pallas kernel can replace.
+
+    Query t belongs to batch row `q_req_T[t]`, whose keys are positions 0..seq_len-1 read
+    through its block table; `rule` adds the causal / window conditions on positions. Rows
+    with nothing visible (padding) return zeros. Tokens are processed in tiles so the
+    gathered keys stay `[tile, max_blocks * page_size, K, H]`.
+    """
+    num_tokens, num_heads, head_dim = q_TNH.shape
+    num_kv_heads = k_slots_XKH.shape[1]
+    key_positions_C = jnp.arange(block_table_RM.shape[1] * page_size, dtype=jnp.int32)
+
+    def attend_tile(args):
+        q_tNH, pos_t, req_t = args
+        slots_tC = block_table_RM[req_t][:, key_positions_C // page_size] * page_size + key_positions_C % page_size
+        k_tCKH, v_tCKH = k_slots_XKH[slots_tC], v_slots_XKH[slots_tC]
+        mask_tC = position_mask(pos_t, key_positions_C, rule) & (key_positions_C[None] < seq_lens_R[req_t][:, None])
+        q_tKGH = q_tNH.reshape(q_tNH.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = jnp.einsum("tkgh,tckh->tkgc", q_tKGH, k_tCKH, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask_tC[:, None, None], scores * head_dim**-0.5, -jnp.inf)
+        probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True, initial=-1e30))
+        probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+        out_tKGH = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v_tCKH.dtype), v_tCKH)
+        return out_tKGH.reshape(q_tNH.shape).astype(q_TNH.dtype)
+
+    if num_tokens <= token_tile:
+        return attend_tile((q_TNH, q_positions_T, q_req_T))
+    num_tiles = -(-num_tokens // token_tile)
+    pad = num_tiles * token_tile - num_tokens
+
+    def tiles(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_tiles, token_tile, *x.shape[1:])
+
+    out = jax.lax.map(attend_tile, (tiles(q_TNH), tiles(q_positions_T), tiles(q_req_T)))
+    return out.reshape(num_tiles * token_tile, num_heads, head_dim)[:num_tokens]

@@ -1,0 +1,318 @@
+"""`generate` and `generate_autoregressive`: a static batch decoded as one XLA program.
+
+Prefill, then a `lax.while_loop` of draft -> verify -> accept -> commit cycles, with no host
+round trip until every request is done. Each request gets its own pages (a trivial block
+table), so the loop uses exactly the paged steps the Engine uses. Without a drafter the same
+loop commits one token per cycle: the autoregressive baseline every speedup is measured
+against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax import sampling
+from dflash_jax.config import check_drafter_fits_target
+from dflash_jax.kv_cache import PAD_SLOT, PagedKVCache
+from dflash_jax.models import Drafter, Target
+from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """token_ids[r]: generated tokens (a hit stop token included); accepted_lengths[r][i]:
+    tokens committed by cycle i (accepted drafts + 1; the prefill token is not a cycle)."""
+
+    token_ids: list[list[int]]
+    accepted_lengths: list[list[int]]
+    elapsed_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        lengths = [n for per_request in self.accepted_lengths for n in per_request]
+        return float(np.mean(lengths)) if lengths else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything shape-like the program is compiled for."""
+
+    num_drafts: int  # N (0: autoregressive)
+    capacity: int  # token buffer length per request, >= max_new_tokens
+    max_model_len: int
+    layer_ids: tuple[int, ...]
+    greedy: bool  # every request at temperature 0: skip probabilities entirely
+    layout_impl: str
+    num_pages: int
+    page_size: int
+
+
+def generate(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | Sequence[int] = 0,
+    block_size: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    page_size: int = 16,
+    layout_impl: str = "auto",
+) -> GenerateResult:
+    """DFlash speculative decoding of a static batch of prompts (token id lists)."""
+    check_drafter_fits_target(target.cfg, drafter.cfg)
+    trained = drafter.cfg.block_size
+    block_size = trained if block_size is None else block_size
+    if not 2 <= block_size <= trained:
+        raise ValueError(
+            f"block_size must lie in [2, {trained}] (the drafter was trained with {trained}), got {block_size}."
+        )
+    return _run(target, drafter, prompts, block_size - 1, max_new_tokens, temperature, top_k, top_p, seed,
+                stop_token_ids, page_size, layout_impl)
+
+
+def generate_autoregressive(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | Sequence[int] = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    page_size: int = 16,
+) -> GenerateResult:
+    """Plain one-token-per-step decoding with the same paged steps: the baseline."""
+    return _run(target, None, prompts, 0, max_new_tokens, temperature, top_k, top_p, seed,
+                stop_token_ids, page_size, "auto")
+
+
+def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_k, top_p, seed,
+         stop_token_ids, page_size, layout_impl) -> GenerateResult:
+    sampling.validate_sampling_params(temperature, top_k, top_p)
+    prompts = _validate_prompts(prompts, target.cfg.vocab_size)
+    max_model_len = target.cfg.max_position_embeddings
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+            f"model's max length {max_model_len}; shorten the prompt or lower max_new_tokens."
+        )
+    num_reqs = len(prompts)
+    seeds = np.broadcast_to(np.asarray(seed, np.int64), (num_reqs,)).astype(np.int32)
+    stops = np.asarray(sorted(set(stop_token_ids or ())) or [-1], np.int32)
+    # Pages per request: prompt + all new tokens + one verify block beyond the last one.
+    capacity = _next_pow2(max_new_tokens)
+    pages_per_req = -(-(longest + capacity + num_drafts + 1) // page_size)
+    block_table = 1 + np.arange(num_reqs * pages_per_req, dtype=np.int32).reshape(num_reqs, pages_per_req)
+    static = _Static(
+        num_drafts=num_drafts,
+        capacity=capacity,
+        max_model_len=max_model_len,
+        layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
+        greedy=temperature == 0,
+        layout_impl=layout_impl,
+        num_pages=1 + num_reqs * pages_per_req,
+        page_size=page_size,
+    )
+    prefill = _prefill_batch(prompts, block_table, page_size)
+    sampling_R = (
+        jnp.full((num_reqs,), temperature, jnp.float32),
+        jnp.full((num_reqs,), top_k, jnp.int32),
+        jnp.full((num_reqs,), top_p, jnp.float32),
+        jnp.asarray(seeds),
+    )
+    graphs, states = zip(*(nnx.split(m) for m in (target, drafter) if m is not None))
+    start = time.perf_counter()
+    out = _program(graphs, states, prefill, jnp.int32(max_new_tokens), sampling_R,
+                   jnp.asarray(stops), static=static)
+    tokens, num_generated, accepted, num_cycles = jax.device_get(out)
+    elapsed = time.perf_counter() - start
+    return GenerateResult(
+        token_ids=[tokens[r, : num_generated[r]].tolist() for r in range(num_reqs)],
+        accepted_lengths=[accepted[r, : num_cycles[r]].tolist() for r in range(num_reqs)],
+        elapsed_s=elapsed,
+    )
+
+
+def _validate_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token id lists.")
+    arrays = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {i} is empty or not a flat list of token ids; give at least one token.")
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size}).")
+        arrays.append(ids.astype(np.int32))
+    return arrays
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cache(cfg, num_pages, page_size, dtype) -> PagedKVCache:
+    return PagedKVCache.zeros(
+        num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+    )
+
+
+def _prefill_batch(prompts, block_table, page_size) -> TargetBatch:
+    """All prompts packed back to back, padded to a power of two with inert rows."""
+    lengths = np.array([len(p) for p in prompts])
+    num_tokens = _next_pow2(max(int(lengths.sum()), 16))
+    start_loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    rows = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, PAD_SLOT, np.int32)
+    for r, prompt in enumerate(prompts):
+        span = slice(start_loc[r], start_loc[r + 1])
+        pos = np.arange(len(prompt))
+        token_ids[span], positions[span], rows[span] = prompt, pos, r
+        slots[span] = block_table[r, pos // page_size] * page_size + pos % page_size
+    return TargetBatch(
+        token_ids=jnp.asarray(token_ids),
+        positions=jnp.asarray(positions),
+        rows=jnp.asarray(rows),
+        slots=jnp.asarray(slots),
+        query_start_loc=jnp.asarray(start_loc),
+        block_table=jnp.asarray(block_table),
+        logits_rows=jnp.asarray(start_loc[1:] - 1),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphs", "static"))
+def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, stops_S, *, static: _Static):
+    target = nnx.merge(graphs[0], states[0])
+    drafter = nnx.merge(graphs[1], states[1]) if static.num_drafts else None
+    temperature_R, top_k_R, top_p_R, seeds_R = sampling_R
+    num_reqs, num_drafts = prefill.block_table.shape[0], static.num_drafts
+    num_query = 1 + num_drafts
+    page_size = static.page_size
+    # Caches are born inside the program: nothing to transfer or donate.
+    caches = [_cache(target.cfg, static.num_pages, page_size, target.dtype)]
+    if num_drafts:
+        caches.append(_cache(drafter.cfg, static.num_pages, page_size, drafter.dtype))
+    rows_R = jnp.arange(num_reqs, dtype=jnp.int32)
+
+    def sample_rows(logits_RV, positions_R):
+        """The next token from each row's logits; `positions_R` = the rows' positions."""
+        if static.greedy:
+            return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+        probs_RV = sampling.processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
+        return sampling.sample_tokens(probs_RV, seeds_R, positions_R, sampling.TARGET_STREAM)
+
+    def propose(draft_cache, batch, features, num_rejected_R, anchor_R, anchor_pos_R):
+        """(draft cache, (drafts [R, N], their distribution q [R, N, V])) for the next block."""
+        draft_cache, logits_RNV, _ = draft_step(
+            target, drafter, draft_cache, batch, features,
+            num_rejected_R=num_rejected_R, num_sampled_R=jnp.ones_like(rows_R), last_sampled_R=anchor_R,
+            next_prefill_tokens_R=jnp.zeros_like(rows_R), temperature_R=temperature_R, seeds_R=seeds_R,
+            shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),
+        )
+        if static.greedy:  # q is never read when every request is greedy
+            return draft_cache, (jnp.argmax(logits_RNV, axis=-1).astype(jnp.int32), jnp.zeros_like(logits_RNV))
+        return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
+
+    def verify(logits_RQV, drafts, remaining_R, start_R):
+        """(committed tokens [R, 1 + N], accepted drafts [R]) from the verify rows' logits."""
+        if not num_drafts:
+            return sample_rows(logits_RQV[:, 0], start_R)[:, None], jnp.zeros_like(rows_R)
+        return sampling.rejection_sample(
+            logits_RQV, *drafts, jnp.clip(remaining_R - 1, 0, num_drafts),
+            temperature_R, top_k_R, top_p_R, seeds_R, start_R,
+        )
+
+    # Prefill: the whole prompt of every request, the first token, the first drafts.
+    target_cache, logits_RV, features = target_step(target, caches[0], prefill, static.layer_ids)
+    prompt_lens_R = prefill.query_start_loc[1:] - prefill.query_start_loc[:-1]
+    first_R = sample_rows(logits_RV, prompt_lens_R - 1)
+    draft_cache = caches[1] if num_drafts else None
+    drafts = (jnp.zeros((num_reqs, 0), jnp.int32), None)
+    if num_drafts:
+        draft_cache, drafts = propose(draft_cache, prefill, features, jnp.zeros_like(rows_R), first_R, prompt_lens_R)
+
+    tokens_RC = jnp.zeros((num_reqs, static.capacity), jnp.int32).at[:, 0].set(first_R)
+    state = dict(
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        tokens=tokens_RC,
+        num_generated=jnp.ones_like(rows_R),
+        accepted=jnp.zeros((num_reqs, static.capacity), jnp.int32),
+        num_cycles=jnp.zeros_like(rows_R),
+        done=jnp.isin(first_R, stops_S) | (max_new_tokens <= 1),
+        anchor=first_R,
+        start=prompt_lens_R,  # position of the anchor: the last committed token
+        drafts=drafts,
+    )
+
+    def cycle(s):
+        offsets = jnp.arange(num_query, dtype=jnp.int32)
+        positions_RQ = s["start"][:, None] + offsets[None, :]
+        block_RQ = jnp.concatenate([s["anchor"][:, None], s["drafts"][0]], axis=1)
+        pages_RQ = prefill.block_table[rows_R[:, None], positions_RQ // page_size]
+        batch = TargetBatch(
+            token_ids=block_RQ.reshape(-1),
+            positions=positions_RQ.reshape(-1),
+            rows=jnp.repeat(rows_R, num_query),
+            slots=(pages_RQ * page_size + positions_RQ % page_size).reshape(-1),
+            query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
+            block_table=prefill.block_table,
+            logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
+        )
+        target_cache, logits, features = target_step(target, s["target_cache"], batch, static.layer_ids)
+        committed_RQ, num_accepted_R = verify(
+            logits.reshape(num_reqs, num_query, -1), s["drafts"], max_new_tokens - s["num_generated"], s["start"]
+        )
+        # Commit accepted drafts + the bonus, cut at the first stop token; nothing once done.
+        count_R = num_accepted_R + 1
+        is_stop_RQ = jnp.isin(committed_RQ, stops_S) & (offsets[None, :] < count_R[:, None])
+        hit_stop_R = is_stop_RQ.any(axis=1)
+        count_R = jnp.where(hit_stop_R, jnp.argmax(is_stop_RQ, axis=1) + 1, count_R)
+        count_R = jnp.where(s["done"], 0, count_R)
+        write_at_RQ = jnp.where(offsets[None, :] < count_R[:, None], s["num_generated"][:, None] + offsets, static.capacity)
+        tokens = s["tokens"].at[rows_R[:, None], write_at_RQ].set(committed_RQ, mode="drop")
+        accepted = s["accepted"].at[rows_R, jnp.where(s["done"], static.capacity, s["num_cycles"])].set(count_R, mode="drop")
+        num_generated = s["num_generated"] + count_R
+        bonus_R = committed_RQ[rows_R, num_accepted_R]
+        new = dict(
+            s,
+            target_cache=target_cache,
+            tokens=tokens,
+            accepted=accepted,
+            num_generated=num_generated,
+            num_cycles=s["num_cycles"] + (count_R > 0),
+            done=s["done"] | hit_stop_R | (num_generated >= max_new_tokens),
+            anchor=jnp.where(s["done"], s["anchor"], bonus_R),
+            start=jnp.where(s["done"], s["start"], s["start"] + num_accepted_R + 1),
+        )
+        if num_drafts:
+            new["draft_cache"], new["drafts"] = propose(
+                s["draft_cache"], batch, features, num_drafts - num_accepted_R, new["anchor"], new["start"]
+            )
+        return new
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), cycle, state)
+    return state["tokens"], state["num_generated"], state["accepted"], state["num_cycles"]

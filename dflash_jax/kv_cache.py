@@ -1,0 +1,94 @@
+"""Paged KV caches (device arrays) and the host-side page allocator.
+
+A cache holds, per layer, keys and values as flat slot arrays `[num_pages * page_size, K, H]`:
+slot `page * page_size + offset` holds one token. A request's block table row lists its
+pages; position p lives at slot `block_table[p // page_size] * page_size + p % page_size`.
+Page 0 is the null page: never handed out, so block-table padding points at it harmlessly.
+Writes go through slot mappings where a negative slot (the pad slot) writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NULL_PAGE = 0
+PAD_SLOT = -1
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["page_size"])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Per-layer key and value slot arrays, each `[num_slots, num_kv_heads, head_dim]`."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    page_size: int
+
+    @classmethod
+    def zeros(cls, *, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype):
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            page_size=page_size,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    def write(self, layer: int, slots_T, k_TKH, v_TKH) -> PagedKVCache:
+        """Scatter one layer's new K/V rows to their slots; pad slots (< 0) are dropped."""
+        slots_T = jnp.where(slots_T < 0, self.num_slots, slots_T)  # out of range -> dropped
+        k = self.k[layer].at[slots_T].set(k_TKH.astype(self.k[layer].dtype), mode="drop")
+        v = self.v[layer].at[slots_T].set(v_TKH.astype(self.v[layer].dtype), mode="drop")
+        return dataclasses.replace(
+            self,
+            k=self.k[:layer] + (k,) + self.k[layer + 1 :],
+            v=self.v[:layer] + (v,) + self.v[layer + 1 :],
+        )
+
+
+def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) -> int:
+    return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def slot_mapping(block_table_RM, req_T, positions_T, page_size: int, valid_T=None):
+    """Slot of each token (request row `req_T`, position `positions_T`); PAD_SLOT if invalid."""
+    pages_T = block_table_RM[req_T, positions_T // page_size]
+    slots_T = pages_T * page_size + positions_T % page_size
+    if valid_T is not None:
+        slots_T = jnp.where(valid_T, slots_T, PAD_SLOT)
+    return slots_T
+
+
+class OutOfPages(RuntimeError):
+    """The allocator cannot satisfy a request; the engine preempts or refuses."""
+
+
+class PageAllocator:
+    """Host-side free list of page ids 1..num_pages-1 (page 0 is the null page)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}.")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPages(f"need {count} pages, {len(self._free)} free")
+        pages = self._free[len(self._free) - count :][::-1]
+        del self._free[len(self._free) - count :]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))

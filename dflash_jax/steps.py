@@ -1,0 +1,138 @@
+"""The two forward steps of a speculative cycle over paged caches, as traceable functions.
+
+`target_step` runs the target on a flat ragged batch (prefill chunks and verify rows alike)
+and returns logits at the rows that need sampling plus the drafter's features at every row.
+`draft_step` turns that batch into the drafter's inputs with the layout kernel, writes the
+context K/V of all draft layers (one fused projection), runs the block and returns the draft
+logits at the sample rows. Both are pure: callers `jax.jit` them (or trace them inside a
+`lax.while_loop`) with the caches donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.attention import paged_attention
+from dflash_jax.config import LayerAttention
+from dflash_jax.kv_cache import PagedKVCache
+from dflash_jax.models import Drafter, Target
+from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
+
+CAUSAL = LayerAttention(causal=True)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_ids", "positions", "rows", "slots", "query_start_loc", "block_table", "logits_rows"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class TargetBatch:
+    """One ragged target batch, padded to static sizes (T tokens, R batch rows).
+
+    Batch row r owns tokens `query_start_loc[r] .. query_start_loc[r + 1]`; padding tokens sit
+    past `query_start_loc[R]` with the pad slot, so they write no K/V.
+    """
+
+    token_ids: jax.Array  # [T]
+    positions: jax.Array  # [T]
+    rows: jax.Array  # [T] batch row of each token (0 for padding)
+    slots: jax.Array  # [T] KV slot, PAD_SLOT for padding
+    query_start_loc: jax.Array  # [R + 1]
+    block_table: jax.Array  # [R, max_blocks]
+    logits_rows: jax.Array  # [S] token rows whose logits are wanted
+
+
+def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...]):
+    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch."""
+    seq_lens_R = _seq_lens(batch)
+
+    def attend(layer, q, k, v):
+        nonlocal cache
+        cache = cache.write(layer, batch.slots, k, v)
+        return paged_attention(
+            q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.block_table, seq_lens_R,
+            page_size=cache.page_size, rule=CAUSAL,
+        )
+
+    hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids)
+    return cache, target.unembed(hidden_TD[batch.logits_rows]), features_TF
+
+
+def _seq_lens(batch: TargetBatch):
+    """Keys visible to row r: every position up to its last token (causality does the rest)."""
+    last = jnp.maximum(batch.query_start_loc[1:] - 1, 0)
+    has_tokens = batch.query_start_loc[1:] > batch.query_start_loc[:-1]
+    return jnp.where(has_tokens, batch.positions[last] + 1, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """Static settings of a draft step (hashable: part of the jit cache key)."""
+
+    num_drafts: int  # N: query rows per request are 1 + N
+    max_model_len: int
+    layout_impl: str = "auto"
+
+
+def draft_step(
+    target: Target,
+    drafter: Drafter,
+    cache: PagedKVCache,
+    batch: TargetBatch,
+    features_TF,
+    *,
+    num_rejected_R,
+    num_sampled_R,
+    last_sampled_R,
+    next_prefill_tokens_R,
+    temperature_R,
+    seeds_R,
+    shape: DraftShape,
+):
+    """(cache, draft logits [R, N, V] float32, layout) after the target ran `batch`.
+
+    Per-request inputs are in batch-row order (the layout's request states are the batch rows).
+    """
+    num_rows = batch.block_table.shape[0]
+    num_query = 1 + shape.num_drafts
+    layout: DFlashLayout = prepare_dflash_inputs(
+        batch.positions,
+        batch.query_start_loc,
+        jnp.arange(num_rows, dtype=jnp.int32),
+        last_sampled_R,
+        next_prefill_tokens_R,
+        num_sampled_R,
+        num_rejected_R,
+        temperature_R,
+        seeds_R,
+        batch.block_table,
+        block_size=cache.page_size,
+        parallel_drafting_token_id=drafter.cfg.mask_token_id,
+        num_speculative_steps=shape.num_drafts,
+        max_num_reqs=num_rows,
+        max_num_tokens=num_rows * num_query,
+        max_model_len=shape.max_model_len,
+        impl=shape.layout_impl,
+    )
+    for layer, (k_SKH, v_SKH) in enumerate(drafter.context_kv(features_TF, layout.context_positions)):
+        cache = cache.write(layer, layout.context_slot_mapping, k_SKH, v_SKH)
+
+    query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
+
+    def attend(layer, q, k, v):
+        nonlocal cache
+        cache = cache.write(layer, layout.query_slot_mapping, k, v)
+        return paged_attention(
+            q, layout.query_positions, query_rows, cache.k[layer], cache.v[layer], batch.block_table,
+            layout.seq_lens, page_size=cache.page_size, rule=drafter.cfg.layers[layer],
+        )
+
+    block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
+    hidden_QD = drafter(block_embeds, layout.query_positions, attend)
+    logits = drafter.logits(target.unembed, hidden_QD[layout.sample_indices].astype(target.dtype))
+    return cache, logits.reshape(num_rows, shape.num_drafts, -1), layout

@@ -1,0 +1,158 @@
+"""generate / generate_autoregressive: lossless against autoregressive decoding, transformers
+and the z-lab reference loop; seeded sampling independent of the batch; bad input refused."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax
+from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
+from dflash_jax.generate import generate, generate_autoregressive
+
+PROMPTS = [[5, 6, 7], list(range(20, 37)), list(range(40, 80)) + [3, 4]]
+
+
+def biased_target(seed=0, **overrides):
+    """A random Qwen3 whose LM head is dominated by a few tokens along random directions, so
+    greedy outputs are repetitive and a random drafter's guesses are often right."""
+    hf = make_hf_target("qwen3", num_hidden_layers=6, head_dim=16, seed=seed, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.05)
+        for token in (10, 20):
+            direction = torch.randn(hf.config.hidden_size, generator=gen)
+            hf.lm_head.weight[token] += 6 * direction / direction.norm()
+    return hf
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair")
+    hf = biased_target()
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 8})
+    zlab = make_zlab_drafter(config, seed=1)
+    target = dflash_jax.load_target(save_hf(hf, tmp / "target"))
+    drafter = dflash_jax.load_drafter(save_hf(zlab, tmp / "drafter", config))
+    return hf, zlab, target, drafter
+
+
+def hf_greedy(hf, prompt, max_new_tokens, stop=None):
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=stop, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_autoregressive_and_transformers(pair):
+    hf, _, target, drafter = pair
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=24)
+    assert ar.token_ids == [hf_greedy(hf, p, 24) for p in PROMPTS]
+    for block_size in (2, 5, 8):
+        spec = generate(target, drafter, PROMPTS, max_new_tokens=24, block_size=block_size)
+        assert spec.token_ids == ar.token_ids, block_size
+        assert all(sum(lengths) + 1 == 24 for lengths in spec.accepted_lengths)
+        assert all(1 <= n <= block_size for lengths in spec.accepted_lengths for n in lengths)
+
+
+def test_stop_tokens_end_requests_at_different_times(pair):
+    hf, _, target, drafter = pair
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=30)
+    stop = ar.token_ids[1][7]  # a token request 1 emits; others may emit it at other times
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=30, stop_token_ids=[stop])
+    ar_stop = generate_autoregressive(target, PROMPTS, max_new_tokens=30, stop_token_ids=[stop])
+    assert spec.token_ids == ar_stop.token_ids
+    assert spec.token_ids == [hf_greedy(hf, p, 30, stop) for p in PROMPTS]
+    assert spec.token_ids[1][-1] == stop and len(spec.token_ids[1]) <= 8
+    assert len({len(t) for t in spec.token_ids}) > 1
+
+
+def zlab_generate(zlab, hf, prompt, max_new_tokens, block_size=None):
+    import dflash.model as zmodel
+
+    real_timer = zmodel._cuda_time
+    zmodel._cuda_time = time.perf_counter  # its stats timer calls torch.cuda.synchronize
+    try:
+        stats = zmodel.dflash_generate(
+            zlab, hf, torch.tensor([prompt]), max_new_tokens=max_new_tokens, stop_token_ids=None,
+            block_size=block_size, return_stats=True,
+        )
+    finally:
+        zmodel._cuda_time = real_timer
+    return stats.output_ids[0, len(prompt):].tolist(), stats.acceptance_lengths
+
+
+DRAFTERS = {
+    "full": {},
+    "sliding-window-shorter-than-context": dict(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=9,
+        use_sliding_window=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_matches_zlab_reference_loop(tmp_path, kind):
+    hf = biased_target(seed=3)
+    config = drafter_config_dict(
+        hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 8}, **DRAFTERS[kind]
+    )
+    zlab = make_zlab_drafter(config, seed=4)
+    target = dflash_jax.load_target(save_hf(hf, tmp_path / "target"))
+    drafter = dflash_jax.load_drafter(save_hf(zlab, tmp_path / "drafter", config))
+    ours = generate(target, drafter, PROMPTS, max_new_tokens=48)
+    means = []
+    for prompt, tokens, lengths in zip(PROMPTS, ours.token_ids, ours.accepted_lengths):
+        ref_tokens, ref_lengths = zlab_generate(zlab, hf, prompt, 48)
+        assert tokens == ref_tokens
+        # The reference shortens its last blocks near max_new_tokens; compare the rest.
+        assert lengths[:-2] == ref_lengths[: len(lengths) - 2]
+        means.append(np.mean(lengths))
+    assert np.mean(means) > 1.5, means
+
+
+def test_same_seed_same_tokens_alone_or_in_a_batch(tmp_path):
+    hf = make_hf_target("qwen3", num_hidden_layers=6, head_dim=16)
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
+    target = dflash_jax.load_target(save_hf(hf, tmp_path / "target"))
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config), tmp_path / "drafter", config))
+    kwargs = dict(max_new_tokens=20, temperature=1.5, top_k=40, top_p=0.95, seed=7)
+    alone = generate(target, drafter, [PROMPTS[1]], **kwargs)
+    others = [list(range(i, i + 3 + 2 * i)) for i in range(1, 8)]
+    batch = generate(target, drafter, others[:4] + [PROMPTS[1]] + others[4:], **kwargs)
+    assert batch.token_ids[4] == alone.token_ids[0]
+    assert generate(target, drafter, [PROMPTS[1]], **{**kwargs, "seed": 8}).token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1, 96]], {}, "outside the vocabulary"),
+        ([[1] * 250], {}, "exceeds the model's max length 256"),
+        ([[1]], dict(temperature=-1.0), "temperature must be >= 0"),
+        ([[1]], dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
+        ([[1]], dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
+        ([[1]], dict(top_k=-2), "top_k must be a non-negative integer"),
+        ([[1]], dict(block_size=1), r"block_size must lie in \[2, 8\]"),
+        ([[1]], dict(block_size=9), r"block_size must lie in \[2, 8\]"),
+        ([[1]], dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
+        ([], {}, "non-empty list"),
+    ],
+)
+def test_bad_input_is_refused(pair, prompts, kwargs, message):
+    _, _, target, drafter = pair
+    with pytest.raises(ValueError, match=message):
+        generate(target, drafter, prompts, **{"max_new_tokens": 10, **kwargs})
+
+
+def test_drafter_for_another_target_is_refused(pair, tmp_path):
+    _, _, _, drafter = pair
+    other = dflash_jax.load_target(save_hf(make_hf_target("qwen3", num_hidden_layers=2), tmp_path / "t"))
+    with pytest.raises(ValueError, match="target has 2 layers"):
+        generate(other, drafter, [[1, 2]], max_new_tokens=4)
