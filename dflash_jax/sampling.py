@@ -58,9 +58,10 @@ def _per_row(param, logits) -> jax.Array:
     return jnp.broadcast_to(param, logits.shape[:-1])
 
 
-# When every truncating row has 0 < top_k <= this, top-k/top-p need only the top
-# TOP_K_FAST candidates (lax.top_k) instead of a sort over the whole vocabulary.
-TOP_K_FAST = 64
+# When every truncating row has 0 < top_k <= this, top-k/top-p rank only the top TOP_K_FAST
+# candidates. XLA's GPU TopK kernel covers k <= 16 (H200, 256 x 151936 f32: 0.64 ms at
+# k = 16); a larger k falls back to a full sort (2.6 ms).
+TOP_K_FAST = 16
 
 
 def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax.Array:

@@ -58,7 +58,7 @@ PARAM_CASES = {
 
 @pytest.mark.parametrize(
     "vocab, top_ks",
-    [(50, [0, 1, 5, 20, 50, 53]), (200, [1, 5, 20, sampling.TOP_K_FAST]), (200, [0, 1, 20, 100, 200])],
+    [(50, [0, 1, 5, 20, 50, 53]), (200, [1, 5, 12, sampling.TOP_K_FAST]), (200, [0, 1, 20, 100, 200])],
     ids=["small_vocab", "top_k_fast_path", "full_ranking"],
 )
 def test_processed_probs_matches_reference(vocab, top_ks):
@@ -96,7 +96,7 @@ def test_processed_probs_broadcasts_over_rows_and_breaks_ties_low():
     alone = processed_probs(row, np.array([0.7]), np.array([0]), np.array([1.0]))
     batched = processed_probs(np.concatenate([row, row]), np.array([0.7, 1.0]), np.array([0, 3]), np.array([1.0, 0.5]))
     np.testing.assert_array_equal(alone[0], batched[0])
-    top_k_row = (np.array([0.7]), np.array([20]), np.array([0.9]))
+    top_k_row = (np.array([0.7]), np.array([sampling.TOP_K_FAST]), np.array([0.9]))
     fast = processed_probs(row, *top_k_row)
     full = processed_probs(np.concatenate([row, row]), *(np.append(x, y) for x, y in zip(top_k_row, (1.0, 0, 0.5))))
     np.testing.assert_allclose(fast[0], full[0], rtol=1e-6, atol=0)
