@@ -104,7 +104,7 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics = dict(
             loss=loss,
-            grad_norm=optax.global_norm(grads),
+            grad_norm=jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))),
             learning_rate=schedule(step_index),
             accuracy=correct_K / jnp.maximum(counted_K, 1.0),
             counted=counted_K,
