@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 import pytest
@@ -105,3 +103,24 @@ def rel_err(ours, ref) -> float:
 @pytest.fixture
 def tmp_models(tmp_path):
     return tmp_path
+
+
+def chi_square_pvalue(counts, probs) -> float:
+    """Pearson chi-square p-value of `counts` against `probs` (flat arrays of cells).
+
+    Cells expected below 5 are pooled into one; any count outside the support gives 0.
+    """
+    import jax
+
+    counts, probs = np.asarray(counts, np.float64).ravel(), np.asarray(probs, np.float64).ravel()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = counts.sum() * probs / probs.sum()
+    small = (expected < 5) & (probs > 0)
+    observed = np.append(counts[(probs > 0) & ~small], counts[small].sum())
+    expected = np.append(expected[(probs > 0) & ~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    assert len(expected) >= 2, "too few cells for a chi-square test"
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return float(jax.scipy.special.gammaincc((len(expected) - 1) / 2, stat / 2))
