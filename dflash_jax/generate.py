@@ -53,7 +53,6 @@ class _Static:
     capacity: int  # token buffer length per request, >= max_new_tokens
     max_model_len: int
     layer_ids: tuple[int, ...]
-    greedy: bool  # every request at temperature 0: skip probabilities entirely
     layout_impl: str
     num_pages: int
     page_size: int
@@ -128,7 +127,6 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         capacity=capacity,
         max_model_len=max_model_len,
         layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
-        greedy=temperature == 0,
         layout_impl=layout_impl,
         num_pages=1 + num_reqs * pages_per_req,
         page_size=page_size,
@@ -219,8 +217,6 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
 
     def sample_rows(logits_RV, positions_R):
         """The next token from each row's logits; `positions_R` = the rows' positions."""
-        if static.greedy:
-            return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
         probs_RV = sampling.processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
         return sampling.sample_tokens(probs_RV, seeds_R, positions_R, sampling.TARGET_STREAM)
 
@@ -232,8 +228,6 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
             next_prefill_tokens_R=jnp.zeros_like(rows_R), temperature_R=temperature_R, seeds_R=seeds_R,
             shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),
         )
-        if static.greedy:  # q is never read when every request is greedy
-            return draft_cache, (jnp.argmax(logits_RNV, axis=-1).astype(jnp.int32), jnp.zeros_like(logits_RNV))
         return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
 
     def verify(logits_RQV, drafts, remaining_R, start_R):

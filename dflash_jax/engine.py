@@ -1,0 +1,555 @@
+"""`Engine`: continuous batching of speculative decoding over paged KV caches.
+
+Requests arrive and leave at any step. Each step the host schedules a ragged batch (prefill
+chunks and 1 + N verify rows side by side, within a token budget), pads it to power-of-two
+buckets, and runs one jitted program: target forward, verification (greedy or rejection
+sampling), then the draft step that proposes the next block of every row. Drafts and their
+distributions stay on the device, indexed by request slot. The host learns only the committed
+tokens, once per step.
+
+When pages run out, the most recently admitted request is preempted: its pages are freed and
+it is recomputed later from its prompt and the tokens it already has. A request that could
+never fit is refused when it is added. Nothing a request does can touch another's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import itertools
+import time
+from collections import deque
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax import sampling
+from dflash_jax.config import check_drafter_fits_target
+from dflash_jax.kv_cache import NULL_PAGE, PAD_SLOT, OutOfPages, PageAllocator, PagedKVCache, kv_cache_bytes
+from dflash_jax.models import Drafter, Target
+from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request statistics: tokens committed per verify cycle, and timing."""
+
+    accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    num_generated: int = 0
+    num_preemptions: int = 0
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        end = self.finish_s or time.perf_counter()
+        return self.num_generated / max(end - self.arrival_s, 1e-9)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0
+
+
+class _Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: int
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; the last one (the anchor) is not in the cache yet
+    params: SamplingParams
+    stats: RequestStats
+    status: _Status = _Status.WAITING
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # positions 0..num_computed-1 have target (and draft) K/V
+    has_drafts: bool = False  # the device holds drafts proposed after the current anchor
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["target_cache", "draft_cache", "drafts", "draft_probs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class _DeviceState:
+    target_cache: PagedKVCache
+    draft_cache: PagedKVCache | None
+    drafts: jax.Array  # [max_num_reqs, N] by request slot
+    draft_probs: jax.Array  # [max_num_reqs, N, V] the drafter's q for each draft
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "target", "slots", "verify_rows", "anchor_pos", "num_drafts", "use_drafts", "num_sampled",
+        "next_prefill_tokens", "temperature", "top_k", "top_p", "seeds",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class _StepBatch:
+    """One step's host-built inputs; per-row arrays have the bucket's R rows."""
+
+    target: TargetBatch
+    slots: jax.Array  # [R] request slot (max_num_reqs for padding rows: writes dropped)
+    verify_rows: jax.Array  # [R, 1 + N] target rows whose logits verify (prefill: last row x Q)
+    anchor_pos: jax.Array  # [R] position of verify row 0
+    num_drafts: jax.Array  # [R] drafts that may be accepted (0 for prefill rows)
+    use_drafts: jax.Array  # [R] bool: the row's tokens include drafts
+    num_sampled: jax.Array  # [R] 1 if the row samples a token this step, 0 mid-prefill
+    next_prefill_tokens: jax.Array  # [R] the next prompt token of a row mid-prefill
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepShape:
+    num_drafts: int
+    max_model_len: int
+    layer_ids: tuple[int, ...]
+    layout_impl: str
+
+
+# Traces of the step program; a test asserts that a warmed-up engine adds none.
+_trace_count = itertools.count()
+_traces = [0]
+
+
+class Engine:
+    """Serve many requests with DFlash speculative decoding (or plain decoding, no drafter)."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        *,
+        max_num_reqs: int = 8,
+        max_num_tokens: int = 256,
+        num_pages: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        page_size: int = 16,
+        block_size: int | None = None,
+        max_model_len: int | None = None,
+        layout_impl: str = "auto",
+    ):
+        if drafter is not None:
+            check_drafter_fits_target(target.cfg, drafter.cfg)
+            trained = drafter.cfg.block_size
+            block_size = trained if block_size is None else block_size
+            if not 2 <= block_size <= trained:
+                raise ValueError(f"block_size must lie in [2, {trained}] for this drafter, got {block_size}.")
+        self.num_drafts = 0 if drafter is None else block_size - 1
+        self.max_model_len = max_model_len or target.cfg.max_position_embeddings
+        for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens)):
+            if value < 1 or value != _next_pow2(value):
+                raise ValueError(f"{name} must be a power of two (batches are padded to those), got {value}.")
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        if max_num_tokens < max_num_reqs * (1 + self.num_drafts):
+            raise ValueError(
+                f"max_num_tokens={max_num_tokens} cannot hold {max_num_reqs} requests x "
+                f"{1 + self.num_drafts} verify rows; raise it or lower max_num_reqs."
+            )
+        self.page_size = page_size
+        # Room for every position a request can touch: its tokens, a verify block and the
+        # draft query rows after it.
+        self.max_blocks = self._pages_needed(self.max_model_len + self._lookahead)
+        num_pages = num_pages or self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
+        self.allocator = PageAllocator(num_pages)
+        self._target, self._drafter = target, drafter
+        self._graphs, self._params = zip(*(nnx.split(m) for m in (target, drafter) if m is not None))
+        self._shape = _StepShape(
+            num_drafts=self.num_drafts,
+            max_model_len=self.max_model_len,
+            layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
+            layout_impl=layout_impl,
+        )
+        self._state = self._initial_state(num_pages)
+        self._requests: dict[int, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self._next_id = 0
+
+    # ---- public API ---------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Refuses (ValueError) what could never run."""
+        params = sampling_params or SamplingParams()
+        sampling.validate_sampling_params(params.temperature, params.top_k, params.top_p)
+        prompt = np.asarray(prompt_ids)
+        vocab = self._target.cfg.vocab_size
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("prompt_ids must be a non-empty flat list of token ids.")
+        if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(f"prompt_ids holds token ids outside the vocabulary [0, {vocab}).")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}.")
+        if prompt.size + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt.size} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_new_tokens."
+            )
+        needed = self._pages_needed(prompt.size + params.max_new_tokens + self._lookahead)
+        if needed > self.allocator.num_pages - 1:
+            raise ValueError(
+                f"this request needs up to {needed} KV pages but the cache has "
+                f"{self.allocator.num_pages - 1}; give the Engine more num_pages or memory."
+            )
+        request_id = self._next_id
+        self._next_id += 1
+        request = _Request(request_id, int(prompt.size), prompt.astype(int).tolist(), params, RequestStats())
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        request = self._requests.get(request_id)
+        if request is None or request.status is _Status.FINISHED:
+            return
+        if request in self._waiting:
+            self._waiting.remove(request)
+        self._finish(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def stats(self, request_id: int) -> RequestStats:
+        return self._requests[request_id].stats
+
+    def output(self, request_id: int) -> list[int]:
+        """Every token generated so far for the request."""
+        request = self._requests[request_id]
+        return request.tokens[request.prompt_len :]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the new tokens of every request that advanced."""
+        batch_requests, chunks = self._schedule()
+        if not batch_requests:
+            return []
+        batch = self._build_batch(batch_requests, chunks)
+        self._state, tokens_RQ, accepted_R = _engine_step(
+            self._graphs, self._params, self._state, batch, shape=self._shape
+        )
+        tokens_RQ, accepted_R = jax.device_get((tokens_RQ, accepted_R))
+        return self._commit(batch_requests, chunks, tokens_RQ, accepted_R)
+
+    def precompile(self) -> int:
+        """Compile every (rows, tokens) bucket up front by running inert batches through it
+        (every write of an inert batch is dropped); returns how many buckets there are."""
+        buckets = [
+            (num_rows, num_tokens)
+            for num_rows in _pow2_range(1, self.max_num_reqs)
+            for num_tokens in _pow2_range(max(num_rows, 8), self.max_num_tokens)
+        ]
+        for num_rows, num_tokens in buckets:
+            inert = _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs)
+            self._state, *_ = _engine_step(self._graphs, self._params, self._state, inert.to_device(), shape=self._shape)
+        return len(buckets)
+
+    @staticmethod
+    def num_traces() -> int:
+        """How many step programs have been traced (compiled) in this process."""
+        return _traces[0]
+
+    # ---- scheduling ---------------------------------------------------------------------
+
+    def _schedule(self) -> tuple[list[_Request], list[int]]:
+        """Running requests first (verify rows), then admissions; prefill takes what is left."""
+        while self._waiting and len(self._running) < self.max_num_reqs:
+            request = self._waiting.popleft()
+            request.status, request.slot = _Status.RUNNING, self._free_slots.pop()
+            self._running.append(request)
+        budget = self.max_num_tokens
+        batch, chunks = [], []
+        for request in list(self._running):
+            if request.status is not _Status.RUNNING:
+                continue  # preempted while scheduling an earlier request
+            pending = len(request.tokens) - request.num_computed
+            rows = 1 + self.num_drafts if request.has_drafts and pending == 1 else min(pending, budget)
+            if rows <= 0 or rows > budget:
+                continue
+            if not self._reserve(request, request.num_computed + rows + self._lookahead, protected=batch):
+                continue
+            batch.append(request)
+            chunks.append(rows)
+            budget -= rows
+        return batch, chunks
+
+    @property
+    def _lookahead(self) -> int:
+        """Positions past a step's rows that the draft step writes: its 1 + N query rows."""
+        return 1 + self.num_drafts
+
+    def _reserve(self, request: _Request, num_positions: int, protected: list[_Request]) -> bool:
+        """Pages for positions < num_positions, preempting the newest unscheduled others."""
+        missing = self._pages_needed(min(num_positions, self.max_blocks * self.page_size)) - len(request.pages)
+        while missing > 0:
+            try:
+                request.pages += self.allocator.allocate(missing)
+                return True
+            except OutOfPages:
+                victims = [r for r in self._running if r is not request and r not in protected]
+                if not victims:
+                    return False
+                self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, request: _Request) -> None:
+        self.allocator.free(request.pages)
+        self._running.remove(request)
+        self._free_slots.append(request.slot)
+        request.pages, request.slot, request.num_computed = [], -1, 0
+        request.status, request.has_drafts = _Status.WAITING, False
+        request.stats.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    def _finish(self, request: _Request) -> None:
+        if request in self._running:
+            self._running.remove(request)
+            self._free_slots.append(request.slot)
+        self.allocator.free(request.pages)
+        request.pages, request.slot = [], -1
+        request.status = _Status.FINISHED
+        request.stats.finish_s = time.perf_counter()
+
+    def _pages_needed(self, num_positions: int) -> int:
+        return -(-num_positions // self.page_size)
+
+    # ---- batches ------------------------------------------------------------------------
+
+    def _build_batch(self, requests: list[_Request], chunks: list[int]) -> _StepBatch:
+        num_rows = _next_pow2(len(requests))
+        num_tokens = max(_next_pow2(sum(chunks)), 8, num_rows)
+        q = 1 + self.num_drafts
+        host = _HostBatch(num_rows, num_tokens, q, self.max_blocks, self.max_num_reqs)
+        start = 0
+        for r, (request, rows) in enumerate(zip(requests, chunks)):
+            span = slice(start, start + rows)
+            positions = np.arange(request.num_computed, request.num_computed + rows)
+            verifying = request.has_drafts and len(request.tokens) - request.num_computed == 1
+            if verifying:
+                host.tokens[span] = [request.tokens[-1]] + [0] * self.num_drafts  # drafts filled on device
+                host.verify_rows[r] = start + np.arange(q)
+                remaining = request.params.max_new_tokens - request.num_generated
+                host.num_drafts[r] = min(max(remaining - 1, 0), self.num_drafts)
+            else:
+                host.tokens[span] = request.tokens[request.num_computed : request.num_computed + rows]
+                host.verify_rows[r] = start + rows - 1
+            done_prefill = verifying or request.num_computed + rows == len(request.tokens)
+            host.use_drafts[r] = verifying
+            host.num_sampled[r] = int(done_prefill)
+            if not done_prefill:
+                host.next_prefill[r] = request.tokens[request.num_computed + rows]
+            host.positions[span], host.rows[span] = positions, r
+            table = np.zeros(self.max_blocks, np.int32)
+            table[: len(request.pages)] = request.pages
+            host.block_table[r] = table
+            host.slots_T[span] = table[positions // self.page_size] * self.page_size + positions % self.page_size
+            host.anchor_pos[r] = positions[-1] if not verifying else positions[0]
+            host.slot[r] = request.slot
+            p = request.params
+            host.temperature[r], host.top_k[r], host.top_p[r], host.seeds[r] = p.temperature, p.top_k, p.top_p, p.seed
+            start += rows
+            host.query_start_loc[r + 1] = start
+        host.query_start_loc[len(requests) + 1 :] = start
+        return host.to_device()
+
+    def _commit(self, requests, chunks, tokens_RQ, accepted_R) -> list[RequestOutput]:
+        outputs = []
+        for r, (request, rows) in enumerate(zip(requests, chunks)):
+            verifying = request.has_drafts and len(request.tokens) - request.num_computed == 1
+            finishing_prefill = not verifying and request.num_computed + rows == len(request.tokens)
+            if not (verifying or finishing_prefill):
+                request.num_computed += rows
+                request.has_drafts = False
+                continue
+            accepted = int(accepted_R[r]) if verifying else 0
+            request.num_computed += (accepted + 1) if verifying else rows
+            new = [int(t) for t in tokens_RQ[r, : accepted + 1]]
+            params = request.params
+            new = new[: params.max_new_tokens - request.num_generated]
+            reason = None
+            for i, token in enumerate(new):
+                if token in params.stop_token_ids:
+                    new, reason = new[: i + 1], "stop"
+                    break
+            request.tokens += new
+            request.has_drafts = self.num_drafts > 0
+            stats = request.stats
+            stats.num_generated = request.num_generated
+            stats.first_token_s = stats.first_token_s or time.perf_counter()
+            if verifying:
+                stats.accepted_lengths.append(len(new))
+            if reason is None and request.num_generated >= params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self._finish(request)
+            outputs.append(RequestOutput(request.request_id, new, reason is not None, reason))
+        return outputs
+
+    # ---- device state -------------------------------------------------------------------
+
+    def _pages_for_budget(self, target, drafter, budget: int | None) -> int:
+        if budget is None:
+            return 1 + self.max_num_reqs * self.max_blocks
+        per_page = sum(
+            kv_cache_bytes(num_layers=m.cfg.num_layers, num_pages=1, page_size=self.page_size,
+                           num_kv_heads=m.cfg.num_kv_heads, head_dim=m.cfg.head_dim, dtype=m.dtype)
+            for m in (target, drafter) if m is not None
+        )
+        return max(2, budget // per_page)
+
+    def _initial_state(self, num_pages: int) -> _DeviceState:
+        def cache(model):
+            return PagedKVCache.zeros(
+                num_layers=model.cfg.num_layers, num_pages=num_pages, page_size=self.page_size,
+                num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
+            )
+
+        n, vocab = self.num_drafts, self._target.cfg.vocab_size
+        return _DeviceState(
+            target_cache=cache(self._target),
+            draft_cache=None if self._drafter is None else cache(self._drafter),
+            drafts=jnp.zeros((self.max_num_reqs, n), jnp.int32),
+            draft_probs=jnp.zeros((self.max_num_reqs, n, vocab), jnp.float32),
+        )
+
+
+class _HostBatch:
+    """numpy buffers of one bucket, filled row by row, then moved to the device at once."""
+
+    def __init__(self, num_rows, num_tokens, q, max_blocks, max_num_reqs):
+        self.tokens = np.zeros(num_tokens, np.int32)
+        self.positions = np.zeros(num_tokens, np.int32)
+        self.rows = np.zeros(num_tokens, np.int32)
+        self.slots_T = np.full(num_tokens, PAD_SLOT, np.int32)
+        self.query_start_loc = np.zeros(num_rows + 1, np.int32)
+        self.block_table = np.full((num_rows, max_blocks), NULL_PAGE, np.int32)
+        self.verify_rows = np.zeros((num_rows, q), np.int32)
+        self.slot = np.full(num_rows, max_num_reqs, np.int32)
+        self.anchor_pos = np.zeros(num_rows, np.int32)
+        self.num_drafts = np.zeros(num_rows, np.int32)
+        self.use_drafts = np.zeros(num_rows, bool)
+        self.num_sampled = np.zeros(num_rows, np.int32)
+        self.next_prefill = np.zeros(num_rows, np.int32)
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int32)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.seeds = np.zeros(num_rows, np.int32)
+
+    def to_device(self) -> _StepBatch:
+        target = TargetBatch(
+            token_ids=self.tokens, positions=self.positions, rows=self.rows, slots=self.slots_T,
+            query_start_loc=self.query_start_loc, block_table=self.block_table,
+            logits_rows=self.verify_rows.reshape(-1),
+        )
+        batch = _StepBatch(
+            target=target, slots=self.slot, verify_rows=self.verify_rows, anchor_pos=self.anchor_pos,
+            num_drafts=self.num_drafts, use_drafts=self.use_drafts, num_sampled=self.num_sampled,
+            next_prefill_tokens=self.next_prefill, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, seeds=self.seeds,
+        )
+        return jax.device_put(batch)
+
+
+@functools.partial(jax.jit, static_argnames=("graphs", "shape"), donate_argnames=("state",))
+def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shape: _StepShape):
+    """Target forward, verification, next drafts: one program per (rows, tokens) bucket."""
+    _traces[0] += 1
+    target = nnx.merge(graphs[0], params[0])
+    num_rows, num_query = batch.verify_rows.shape
+    n = shape.num_drafts
+    rows_R = jnp.arange(num_rows)
+    # Verify rows take their drafts from the device state.
+    target_batch = batch.target
+    if n:
+        drafts_RN = state.drafts[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
+        draft_positions_RN = batch.verify_rows[:, 1:]
+        num_tokens = target_batch.token_ids.shape[0]  # an out-of-range row: the write is dropped
+        tokens = target_batch.token_ids.at[jnp.where(batch.use_drafts[:, None], draft_positions_RN, num_tokens)].set(
+            drafts_RN, mode="drop"
+        )
+        target_batch = dataclasses.replace(target_batch, token_ids=tokens)
+    target_cache, logits, features = target_step(target, state.target_cache, target_batch, shape.layer_ids)
+    logits_RQV = logits.reshape(num_rows, num_query, -1)
+    if not n:
+        probs_RV = sampling.processed_probs(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p)
+        token_R = sampling.sample_tokens(probs_RV, batch.seeds, batch.anchor_pos, sampling.TARGET_STREAM)
+        return dataclasses.replace(state, target_cache=target_cache), token_R[:, None], jnp.zeros_like(token_R)
+
+    draft_probs_RNV = state.draft_probs[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
+    tokens_RQ, accepted_R = sampling.rejection_sample(
+        logits_RQV, drafts_RN, draft_probs_RNV, batch.num_drafts, batch.temperature, batch.top_k, batch.top_p,
+        batch.seeds, batch.anchor_pos,
+    )
+    bonus_R = tokens_RQ[rows_R, accepted_R]
+    drafter = nnx.merge(graphs[1], params[1])
+    draft_cache, draft_logits_RNV, _ = draft_step(
+        target, drafter, state.draft_cache, target_batch, features,
+        num_rejected_R=jnp.where(batch.use_drafts, n - accepted_R, 0),
+        num_sampled_R=batch.num_sampled,
+        last_sampled_R=bonus_R,
+        next_prefill_tokens_R=batch.next_prefill_tokens,
+        temperature_R=batch.temperature,
+        seeds_R=batch.seeds,
+        shape=DraftShape(n, shape.max_model_len, shape.layout_impl),
+    )
+    next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
+    new_drafts_RN, new_probs_RNV = sampling.sample_drafts(
+        draft_logits_RNV, batch.temperature, batch.top_k, batch.top_p, batch.seeds, next_anchor_pos_R
+    )
+    state = _DeviceState(
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        drafts=state.drafts.at[batch.slots].set(new_drafts_RN, mode="drop"),
+        draft_probs=state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
+    )
+    return state, tokens_RQ, accepted_R
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _pow2_range(low: int, high: int):
+    value = _next_pow2(low)
+    while value <= high:
+        yield value
+        value *= 2

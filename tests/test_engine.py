@@ -1,0 +1,143 @@
+"""Engine: continuous batching with chunked prefill, preemption and abort, token for token
+equal to autoregressive decoding; no compilation after precompile(); bad input refused."""
+
+import numpy as np
+import pytest
+
+import dflash_jax
+from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
+from dflash_jax.engine import Engine, SamplingParams
+from dflash_jax.generate import generate_autoregressive
+from test_generate import biased_target
+
+PROMPTS = [[5, 6, 7], list(range(20, 37)), list(range(1, 90)), [9] * 40, list(range(50, 61))]
+SLIDING = dict(
+    num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    hf = biased_target(seed=2)
+    target = dflash_jax.load_target(save_hf(hf, tmp / "target"))
+    drafters = {}
+    for name, extra in {"full": {}, "sliding": SLIDING}.items():
+        config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4}, **extra)
+        drafters[name] = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=3), tmp / name, config))
+    reference = generate_autoregressive(target, PROMPTS, max_new_tokens=20).token_ids
+    return target, drafters, reference
+
+
+def run(engine, prompts, params, arrive_late=(), abort=None):
+    """Add requests (some after a few steps), step until done; returns ids in prompt order."""
+    ids = {i: engine.add_request(p, params) for i, p in enumerate(prompts) if i not in arrive_late}
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            ids.update({i: engine.add_request(prompts[i], params) for i in arrive_late})
+        if abort is not None and steps == 2:
+            engine.abort(ids[abort])
+    return [ids[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("drafter_name, block_size", [("full", 4), ("full", 2), ("sliding", 4), (None, None)])
+def test_engine_equals_autoregressive(models, drafter_name, block_size):
+    target, drafters, reference = models
+    drafter = drafters.get(drafter_name)
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size, layout_impl="reference")
+    ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20), arrive_late=(3, 4))
+    assert [engine.output(i) for i in ids] == reference
+    if drafter is not None:
+        assert all(sum(engine.stats(i).accepted_lengths) == 19 for i in ids)
+
+
+def test_stop_tokens_and_abort(models):
+    target, drafters, reference = models
+    stop = reference[1][5]
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=(stop,))
+    expected = generate_autoregressive(target, PROMPTS, max_new_tokens=20, stop_token_ids=[stop]).token_ids
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    ids = run(engine, PROMPTS, params, abort=0)
+    outputs = [engine.output(i) for i in ids]
+    assert outputs[1:] == expected[1:]
+    assert outputs[1][-1] == stop and len(outputs[0]) < 20
+
+
+def test_preemption_recomputes_and_stays_exact(models):
+    target, drafters, reference = models
+    # 16 usable pages of 8 tokens: not enough for all five requests at once.
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=17, page_size=8,
+                    layout_impl="reference")
+    ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20))
+    assert [engine.output(i) for i in ids] == reference
+    assert sum(engine.stats(i).num_preemptions for i in ids) > 0
+    assert engine.allocator.num_free == 16
+
+
+def test_sampled_request_is_the_same_alone_or_in_a_batch(models):
+    target, drafters, _ = models
+    params = SamplingParams(max_new_tokens=16, temperature=1.3, top_k=30, top_p=0.95, seed=11)
+    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    (only,) = run(alone, [PROMPTS[1]], params)
+    crowd = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    ids = run(crowd, PROMPTS, params)
+    assert crowd.output(ids[1]) == alone.output(only)
+
+
+def test_no_compilation_after_precompile(models):
+    target, drafters, _ = models
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    assert engine.precompile() > 0
+    traces = Engine.num_traces()
+    rng = np.random.default_rng(0)
+    live, generated = set(), 0
+    for step in range(200):
+        if rng.random() < 0.3 and len(live) < 6:
+            prompt = rng.integers(0, 95, size=int(rng.integers(1, 50))).tolist()
+            temperature = float(rng.choice([0.0, 1.0]))
+            live.add(engine.add_request(prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 12)), temperature=temperature, seed=step)))
+        if live and rng.random() < 0.05:
+            engine.abort(live.pop())
+        for out in engine.step():
+            generated += len(out.new_token_ids)
+            if out.finished:
+                live.discard(out.request_id)
+    assert Engine.num_traces() == traces
+    assert generated > 100  # the engine did serve requests meanwhile
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "non-empty"),
+        ([1, 96], SamplingParams(), "outside the vocabulary"),
+        ([1] * 200, SamplingParams(max_new_tokens=100), "exceeds max_model_len 256"),
+        ([1], SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        ([1], SamplingParams(top_p=2.0), r"top_p must lie in \(0, 1\]"),
+        ([1], SamplingParams(top_k=-1), "top_k must be a non-negative integer"),
+        ([1], SamplingParams(max_new_tokens=0), "max_new_tokens must be at least 1"),
+        ([1] * 100, SamplingParams(max_new_tokens=100), "needs up to .* KV pages but the cache has 8"),
+    ],
+)
+def test_bad_requests_are_refused_and_harm_nobody(models, prompt, params, message):
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=9, layout_impl="reference")
+    good = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(good) == reference[0]
+
+
+def test_bad_engine_settings_are_refused(models):
+    target, drafters, _ = models
+    with pytest.raises(ValueError, match="max_num_tokens must be a power of two"):
+        Engine(target, drafters["full"], max_num_tokens=100)
+    with pytest.raises(ValueError, match=r"block_size must lie in \[2, 4\]"):
+        Engine(target, drafters["full"], block_size=5)
+    with pytest.raises(ValueError, match="cannot hold 8 requests x 4 verify rows"):
+        Engine(target, drafters["full"], max_num_reqs=8, max_num_tokens=16)
