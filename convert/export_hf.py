@@ -19,8 +19,12 @@ from dflash_jax.config import DrafterConfig, to_hf_config
 from dflash_jax.models import Drafter, Target
 
 
-def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None) -> Path:
-    """Write `model` as a HF folder at `out_dir` (must not exist); atomic like the converter."""
+def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_shard_bytes: int | None = None) -> Path:
+    """Write `model` as a HF folder at `out_dir` (must not exist); atomic like the converter.
+
+    With `max_shard_bytes`, weights are split into shards of at most that size (a tensor is
+    never split) plus `model.safetensors.index.json`, as HF does for large checkpoints.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another folder.")
@@ -34,9 +38,30 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None) -> Pa
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        save_file({k: v.copy() for k, v in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+        shards = _shards(tensors, max_shard_bytes)
+        names = ["model.safetensors"] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+        ]
+        for name, shard in zip(names, shards):
+            save_file({k: tensors[k] for k in shard}, staging / name, metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                     "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (staging / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
         staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _shards(tensors: dict, max_shard_bytes: int | None) -> list[list[str]]:
+    """Tensor names grouped in order into shards of at most `max_shard_bytes` each."""
+    shards, size = [[]], 0
+    for name, array in tensors.items():
+        if max_shard_bytes and shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += array.nbytes
+    return shards
