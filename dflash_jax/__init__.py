@@ -3,6 +3,7 @@
 from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.dense import draft_logits, target_forward
+from dflash_jax.engine import Engine, RequestOutput, SamplingParams
 from dflash_jax.generate import GenerateResult, generate, generate_autoregressive
 from dflash_jax.models import Drafter, Target
 
@@ -10,7 +11,10 @@ __all__ = [
     "ConfigError",
     "Drafter",
     "DrafterConfig",
+    "Engine",
     "GenerateResult",
+    "RequestOutput",
+    "SamplingParams",
     "Target",
     "TargetConfig",
     "draft_logits",
