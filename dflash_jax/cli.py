@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from convert import cli as convert_cli
+from dflash_jax import cli_generate, demo
 from dflash_jax.train import cli as train_cli
 
 
@@ -14,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     convert_cli.add_parser(subparsers)
     train_cli.add_parser(subparsers)
+    cli_generate.add_parser(subparsers)
+    demo.add_parser(subparsers)
     return parser
 
 

