@@ -11,6 +11,7 @@ from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, sav
 from convert.hf_to_nnx import convert_checkpoint
 from dflash_jax import cli, demo
 from dflash_jax.tokenizer import ChatTokenizer
+from test_gguf import write_llama_gguf
 
 WORDS = ["<eos>", "<unk>", "user:", "assistant:", "hello", "there", "how", "are", "you"]
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
@@ -60,7 +61,7 @@ def test_generate_text_prompt_speculative_equals_autoregressive(models_dir, caps
         dflash_jax.load_target(target), prompts, max_new_tokens=12, stop_token_ids=[0]
     )
     answers = [tokenizer.decode(ids) for ids in expected.token_ids]
-    assert all(answers) and ar_out == "".join(f"{a}\n\n" for a in answers) + ar_out.splitlines()[-1] + "\n"
+    assert all(answers) and ar_out.splitlines()[:-1] == [answers[0], "", answers[1], ""]
     assert f"{expected.num_tokens} tokens in " in ar_out and "mean accepted length 1.00" in ar_out
 
     code, spec_out, _ = run_cli(capsys, *common, "--drafter", models_dir / "drafter", "--block-size", "3")
@@ -77,9 +78,28 @@ def test_generate_prompt_ids_and_plain_text(models_dir, capsys):
                                                   max_new_tokens=12)
     assert out.splitlines()[0] == ",".join(map(str, expected.token_ids[0]))
 
+    code, out, _ = run_cli(capsys, "generate", "--target", models_dir / "target", "--prompt", "hello there",
+                           "--no-chat", "--max-new-tokens", "12")
+    assert code == 0
     tokenizer = ChatTokenizer(models_dir / "target")
-    assert tokenizer.encode_text("hello there") == [4, 5]  # --no-chat: no template around the text
+    assert tokenizer.encode_text("hello there") == [4, 5]  # no template around the text
+    expected = dflash_jax.generate_autoregressive(dflash_jax.load_target(models_dir / "target"), [[4, 5]],
+                                                  max_new_tokens=12, stop_token_ids=[0])
+    assert out.splitlines()[0] == tokenizer.decode(expected.token_ids[0])
     assert tokenizer.decode([4, 5, 0]) == "hello there"
+
+
+def test_generate_from_gguf_file(tmp_path, capsys):
+    gguf_path = write_llama_gguf(tmp_path / "tiny.gguf")
+    convert_checkpoint(gguf_path, tmp_path / "converted")
+    from_file, from_folder = ChatTokenizer(gguf_path), ChatTokenizer(tmp_path / "converted")
+    messages = [{"role": "user", "content": "hello world"}]
+    assert from_file.encode(messages) == from_folder.encode(messages)
+    assert from_file.stop_token_ids == from_folder.stop_token_ids == [2]
+    code, out, err = run_cli(capsys, "generate", "--target", gguf_path, "--prompt", "hello world",
+                             "--max-new-tokens", "6")
+    assert code == 0, err
+    assert "tokens/s" in out.splitlines()[-1]
 
 
 def test_generate_errors(models_dir, capsys):
