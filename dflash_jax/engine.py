@@ -29,7 +29,15 @@ from flax import nnx
 
 from dflash_jax import sampling
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.kv_cache import NULL_PAGE, PAD_SLOT, OutOfPages, PageAllocator, PagedKVCache, kv_cache_bytes
+from dflash_jax.kv_cache import (
+    NULL_PAGE,
+    PAD_SLOT,
+    DraftCacheGroups,
+    OutOfPages,
+    PageAllocator,
+    PagedKVCache,
+    kv_cache_bytes,
+)
 from dflash_jax.models import Drafter, Target
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
 
@@ -91,6 +99,8 @@ class _Request:
     status: _Status = _Status.WAITING
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
+    # Per windowed drafter cache group: page per block index, NULL_PAGE once out of the window.
+    window_pages: list[list[int]] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # positions 0..num_computed-1 have target (and draft) K/V
     has_drafts: bool = False  # the device holds drafts proposed after the current anchor
 
@@ -101,13 +111,13 @@ class _Request:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["target_cache", "draft_cache", "drafts", "draft_probs"],
+    data_fields=["target_cache", "draft_caches", "drafts", "draft_probs"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class _DeviceState:
     target_cache: PagedKVCache
-    draft_cache: PagedKVCache | None
+    draft_caches: tuple[PagedKVCache, ...]  # one per drafter cache group (DraftCacheGroups)
     drafts: jax.Array  # [max_num_reqs, N] by request slot
     draft_probs: jax.Array  # [max_num_reqs, N, V] the drafter's q for each draft
 
@@ -115,7 +125,7 @@ class _DeviceState:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
-        "target", "slots", "verify_rows", "anchor_pos", "num_drafts", "use_drafts", "num_sampled",
+        "target", "window_tables", "slots", "verify_rows", "anchor_pos", "num_drafts", "use_drafts", "num_sampled",
         "next_prefill_tokens", "temperature", "top_k", "top_p", "seeds",
     ],
     meta_fields=[],
@@ -125,6 +135,7 @@ class _StepBatch:
     """One step's host-built inputs; per-row arrays have the bucket's R rows."""
 
     target: TargetBatch
+    window_tables: tuple[jax.Array, ...]  # [R, max_blocks] per windowed drafter cache group
     slots: jax.Array  # [R] request slot (max_num_reqs for padding rows: writes dropped)
     verify_rows: jax.Array  # [R, 1 + N] target rows whose logits verify (prefill: last row x Q)
     anchor_pos: jax.Array  # [R] position of verify row 0
@@ -190,8 +201,14 @@ class Engine:
         # Room for every position a request can touch: its tokens, a verify block and the
         # draft query rows after it.
         self.max_blocks = self._pages_needed(self.max_model_len + self._lookahead)
+        self._groups = DraftCacheGroups.of(tuple(r.window for r in drafter.cfg.layers)) if drafter else None
         num_pages = num_pages or self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
         self.allocator = PageAllocator(num_pages)
+        # Windowed groups hold at most a window plus one step per request: a fixed pool.
+        self._window_allocators = [
+            PageAllocator(1 + max_num_reqs * self._pages_needed(w + max_num_tokens + 2 * self._lookahead + 2 * page_size))
+            for w in (self._groups.windows[1:] if self._groups else ())
+        ]
         self._target, self._drafter = target, drafter
         self._graphs, self._params = zip(*(nnx.split(m) for m in (target, drafter) if m is not None))
         self._shape = _StepShape(
@@ -279,7 +296,7 @@ class Engine:
             for num_tokens in _pow2_range(max(num_rows, 8), self.max_num_tokens)
         ]
         for num_rows, num_tokens in buckets:
-            inert = _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs)
+            inert = self._host_batch(num_rows, num_tokens)
             self._state, *_ = _engine_step(self._graphs, self._params, self._state, inert.to_device(), shape=self._shape)
         return len(buckets)
 
@@ -319,23 +336,44 @@ class Engine:
 
     def _reserve(self, request: _Request, num_positions: int, protected: list[_Request]) -> bool:
         """Pages for positions < num_positions, preempting the newest unscheduled others."""
-        missing = self._pages_needed(min(num_positions, self.max_blocks * self.page_size)) - len(request.pages)
+        blocks = self._pages_needed(min(num_positions, self.max_blocks * self.page_size))
+        missing = blocks - len(request.pages)
         while missing > 0:
             try:
                 request.pages += self.allocator.allocate(missing)
-                return True
+                break
             except OutOfPages:
                 victims = [r for r in self._running if r is not request and r not in protected]
                 if not victims:
                     return False
                 self._preempt(victims[-1])
+        if not request.window_pages:
+            request.window_pages = [[] for _ in self._window_allocators]
+        for table, allocator in zip(request.window_pages, self._window_allocators):
+            table += allocator.allocate(max(blocks - len(table), 0))  # sized never to run out
         return True
 
-    def _preempt(self, request: _Request) -> None:
+    def _evict_out_of_window(self, request: _Request) -> None:
+        """Give back windowed-group pages no future query can see (spec section 2's window)."""
+        for table, allocator, window in zip(request.window_pages, self._window_allocators, self._groups.windows[1:]):
+            # The next queries sit at positions >= num_computed and see keys >= q - (W - 1).
+            first_visible = request.num_computed - window + 1
+            for block in range(max(first_visible, 0) // self.page_size):
+                if table[block] != NULL_PAGE:
+                    allocator.free([table[block]])
+                    table[block] = NULL_PAGE
+
+    def _free_pages(self, request: _Request) -> None:
         self.allocator.free(request.pages)
+        for table, allocator in zip(request.window_pages, self._window_allocators):
+            allocator.free([page for page in table if page != NULL_PAGE])
+        request.pages, request.window_pages = [], []
+
+    def _preempt(self, request: _Request) -> None:
+        self._free_pages(request)
         self._running.remove(request)
         self._free_slots.append(request.slot)
-        request.pages, request.slot, request.num_computed = [], -1, 0
+        request.slot, request.num_computed = -1, 0
         request.status, request.has_drafts = _Status.WAITING, False
         request.stats.num_preemptions += 1
         self._waiting.appendleft(request)
@@ -344,8 +382,8 @@ class Engine:
         if request in self._running:
             self._running.remove(request)
             self._free_slots.append(request.slot)
-        self.allocator.free(request.pages)
-        request.pages, request.slot = [], -1
+        self._free_pages(request)
+        request.slot = -1
         request.status = _Status.FINISHED
         request.stats.finish_s = time.perf_counter()
 
@@ -358,7 +396,7 @@ class Engine:
         num_rows = _next_pow2(len(requests))
         num_tokens = max(_next_pow2(sum(chunks)), 8, num_rows)
         q = 1 + self.num_drafts
-        host = _HostBatch(num_rows, num_tokens, q, self.max_blocks, self.max_num_reqs)
+        host = self._host_batch(num_rows, num_tokens)
         start = 0
         for r, (request, rows) in enumerate(zip(requests, chunks)):
             span = slice(start, start + rows)
@@ -381,6 +419,8 @@ class Engine:
             table = np.zeros(self.max_blocks, np.int32)
             table[: len(request.pages)] = request.pages
             host.block_table[r] = table
+            for window_table, pages in zip(host.window_tables, request.window_pages):
+                window_table[r, : len(pages)] = pages
             host.slots_T[span] = table[positions // self.page_size] * self.page_size + positions % self.page_size
             host.anchor_pos[r] = positions[-1] if not verifying else positions[0]
             host.slot[r] = request.slot
@@ -391,17 +431,22 @@ class Engine:
         host.query_start_loc[len(requests) + 1 :] = start
         return host.to_device()
 
+    def _host_batch(self, num_rows: int, num_tokens: int) -> _HostBatch:
+        return _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs,
+                          num_window_groups=len(self._window_allocators))
+
     def _commit(self, requests, chunks, tokens_RQ, accepted_R) -> list[RequestOutput]:
         outputs = []
         for r, (request, rows) in enumerate(zip(requests, chunks)):
             verifying = request.has_drafts and len(request.tokens) - request.num_computed == 1
             finishing_prefill = not verifying and request.num_computed + rows == len(request.tokens)
-            if not (verifying or finishing_prefill):
-                request.num_computed += rows
-                request.has_drafts = False
-                continue
             accepted = int(accepted_R[r]) if verifying else 0
             request.num_computed += (accepted + 1) if verifying else rows
+            if self._window_allocators:
+                self._evict_out_of_window(request)
+            if not (verifying or finishing_prefill):
+                request.has_drafts = False
+                continue
             new = [int(t) for t in tokens_RQ[r, : accepted + 1]]
             params = request.params
             new = new[: params.max_new_tokens - request.num_generated]
@@ -429,24 +474,31 @@ class Engine:
     def _pages_for_budget(self, target, drafter, budget: int | None) -> int:
         if budget is None:
             return 1 + self.max_num_reqs * self.max_blocks
+        layers = [(target, target.cfg.num_layers)]
+        if drafter is not None:
+            layers.append((drafter, len(self._groups.layers[0])))  # windowed groups have their own pool
         per_page = sum(
-            kv_cache_bytes(num_layers=m.cfg.num_layers, num_pages=1, page_size=self.page_size,
+            kv_cache_bytes(num_layers=n, num_pages=1, page_size=self.page_size,
                            num_kv_heads=m.cfg.num_kv_heads, head_dim=m.cfg.head_dim, dtype=m.dtype)
-            for m in (target, drafter) if m is not None
+            for m, n in layers
         )
         return max(2, budget // per_page)
 
     def _initial_state(self, num_pages: int) -> _DeviceState:
-        def cache(model):
+        def cache(model, num_layers, pages):
             return PagedKVCache.zeros(
-                num_layers=model.cfg.num_layers, num_pages=num_pages, page_size=self.page_size,
+                num_layers=num_layers, num_pages=pages, page_size=self.page_size,
                 num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
             )
 
+        draft_caches = ()
+        if self._drafter is not None:
+            pools = [num_pages] + [allocator.num_pages for allocator in self._window_allocators]
+            draft_caches = tuple(cache(self._drafter, len(layers), pages) for layers, pages in zip(self._groups.layers, pools))
         n, vocab = self.num_drafts, self._target.cfg.vocab_size
         return _DeviceState(
-            target_cache=cache(self._target),
-            draft_cache=None if self._drafter is None else cache(self._drafter),
+            target_cache=cache(self._target, self._target.cfg.num_layers, num_pages),
+            draft_caches=draft_caches,
             drafts=jnp.zeros((self.max_num_reqs, n), jnp.int32),
             draft_probs=jnp.zeros((self.max_num_reqs, n, vocab), jnp.float32),
         )
@@ -455,13 +507,14 @@ class Engine:
 class _HostBatch:
     """numpy buffers of one bucket, filled row by row, then moved to the device at once."""
 
-    def __init__(self, num_rows, num_tokens, q, max_blocks, max_num_reqs):
+    def __init__(self, num_rows, num_tokens, q, max_blocks, max_num_reqs, num_window_groups):
         self.tokens = np.zeros(num_tokens, np.int32)
         self.positions = np.zeros(num_tokens, np.int32)
         self.rows = np.zeros(num_tokens, np.int32)
         self.slots_T = np.full(num_tokens, PAD_SLOT, np.int32)
         self.query_start_loc = np.zeros(num_rows + 1, np.int32)
         self.block_table = np.full((num_rows, max_blocks), NULL_PAGE, np.int32)
+        self.window_tables = tuple(np.full((num_rows, max_blocks), NULL_PAGE, np.int32) for _ in range(num_window_groups))
         self.verify_rows = np.zeros((num_rows, q), np.int32)
         self.slot = np.full(num_rows, max_num_reqs, np.int32)
         self.anchor_pos = np.zeros(num_rows, np.int32)
@@ -481,7 +534,7 @@ class _HostBatch:
             logits_rows=self.verify_rows.reshape(-1),
         )
         batch = _StepBatch(
-            target=target, slots=self.slot, verify_rows=self.verify_rows, anchor_pos=self.anchor_pos,
+            target=target, window_tables=self.window_tables, slots=self.slot, verify_rows=self.verify_rows, anchor_pos=self.anchor_pos,
             num_drafts=self.num_drafts, use_drafts=self.use_drafts, num_sampled=self.num_sampled,
             next_prefill_tokens=self.next_prefill, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, seeds=self.seeds,
@@ -521,8 +574,8 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     )
     bonus_R = tokens_RQ[rows_R, accepted_R]
     drafter = nnx.merge(graphs[1], params[1])
-    draft_cache, draft_logits_RNV, _ = draft_step(
-        target, drafter, state.draft_cache, target_batch, features,
+    draft_caches, draft_logits_RNV, _ = draft_step(
+        target, drafter, state.draft_caches, (target_batch.block_table, *batch.window_tables), target_batch, features,
         num_rejected_R=jnp.where(batch.use_drafts, n - accepted_R, 0),
         num_sampled_R=batch.num_sampled,
         last_sampled_R=bonus_R,
@@ -537,7 +590,7 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     )
     state = _DeviceState(
         target_cache=target_cache,
-        draft_cache=draft_cache,
+        draft_caches=draft_caches,
         drafts=state.drafts.at[batch.slots].set(new_drafts_RN, mode="drop"),
         draft_probs=state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
     )

@@ -21,7 +21,7 @@ from flax import nnx
 
 from dflash_jax import sampling
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.kv_cache import PAD_SLOT, PagedKVCache
+from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache
 from dflash_jax.models import Drafter, Target
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
 
@@ -169,9 +169,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _cache(cfg, num_pages, page_size, dtype) -> PagedKVCache:
+def _cache(cfg, num_layers, num_pages, page_size, dtype) -> PagedKVCache:
     return PagedKVCache.zeros(
-        num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+        num_layers=num_layers, num_pages=num_pages, page_size=page_size,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
     )
 
@@ -210,9 +210,15 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
     num_query = 1 + num_drafts
     page_size = static.page_size
     # Caches are born inside the program: nothing to transfer or donate.
-    caches = [_cache(target.cfg, static.num_pages, page_size, target.dtype)]
+    # Every request owns its pages for the whole run: each drafter cache group (one per
+    # attention kind) uses the same trivial block table, and nothing is evicted.
+    caches = [_cache(target.cfg, target.cfg.num_layers, static.num_pages, page_size, target.dtype)]
     if num_drafts:
-        caches.append(_cache(drafter.cfg, static.num_pages, page_size, drafter.dtype))
+        groups = DraftCacheGroups.of(tuple(rule.window for rule in drafter.cfg.layers))
+        caches.append(tuple(
+            _cache(drafter.cfg, len(layers), static.num_pages, page_size, drafter.dtype) for layers in groups.layers
+        ))
+        draft_tables = (prefill.block_table,) * len(groups.layers)
     rows_R = jnp.arange(num_reqs, dtype=jnp.int32)
 
     def sample_rows(logits_RV, positions_R):
@@ -223,7 +229,7 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
     def propose(draft_cache, batch, features, num_rejected_R, anchor_R, anchor_pos_R):
         """(draft cache, (drafts [R, N], their distribution q [R, N, V])) for the next block."""
         draft_cache, logits_RNV, _ = draft_step(
-            target, drafter, draft_cache, batch, features,
+            target, drafter, draft_cache, draft_tables, batch, features,
             num_rejected_R=num_rejected_R, num_sampled_R=jnp.ones_like(rows_R), last_sampled_R=anchor_R,
             next_prefill_tokens_R=jnp.zeros_like(rows_R), temperature_R=temperature_R, seeds_R=seeds_R,
             shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),

@@ -66,6 +66,32 @@ def slot_mapping(block_table_RM, req_T, positions_T, page_size: int, valid_T=Non
     return slots_T
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftCacheGroups:
+    """The drafter's KV-cache groups, one per attention kind (as vLLM groups them).
+
+    Group 0 holds the unwindowed layers and shares the target's pages and block table; each
+    other group holds the layers of one window W, with its own pages, so pages that fell out
+    of the window can be given back. `layers[g]` lists the drafter layers of group g.
+    """
+
+    windows: tuple[int | None, ...]
+    layers: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, layer_windows: tuple[int | None, ...]) -> DraftCacheGroups:
+        windows = (None,) + tuple(sorted({w for w in layer_windows if w is not None}))
+        layers = tuple(tuple(i for i, w in enumerate(layer_windows) if w == window) for window in windows)
+        return cls(windows, layers)
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """(group, index of the layer inside its group's cache)."""
+        for group, members in enumerate(self.layers):
+            if layer in members:
+                return group, members.index(layer)
+        raise IndexError(layer)
+
+
 class OutOfPages(RuntimeError):
     """The allocator cannot satisfy a request; the engine preempts or refuses."""
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dflash_jax.attention import paged_attention
 from dflash_jax.config import LayerAttention
-from dflash_jax.kv_cache import PagedKVCache
+from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
 from dflash_jax.models import Drafter, Target
 from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
@@ -82,7 +82,8 @@ class DraftShape:
 def draft_step(
     target: Target,
     drafter: Drafter,
-    cache: PagedKVCache,
+    caches: tuple[PagedKVCache, ...],
+    block_tables: tuple[jax.Array, ...],
     batch: TargetBatch,
     features_TF,
     *,
@@ -94,45 +95,55 @@ def draft_step(
     seeds_R,
     shape: DraftShape,
 ):
-    """(cache, draft logits [R, N, V] float32, layout) after the target ran `batch`.
+    """(caches, draft logits [R, N, V] float32, layout) after the target ran `batch`.
 
+    `caches` and `block_tables` hold one entry per drafter KV-cache group
+    (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
     Per-request inputs are in batch-row order (the layout's request states are the batch rows).
     """
     num_rows = batch.block_table.shape[0]
     num_query = 1 + shape.num_drafts
-    layout: DFlashLayout = prepare_dflash_inputs(
-        batch.positions,
-        batch.query_start_loc,
-        jnp.arange(num_rows, dtype=jnp.int32),
-        last_sampled_R,
-        next_prefill_tokens_R,
-        num_sampled_R,
-        num_rejected_R,
-        temperature_R,
-        seeds_R,
-        batch.block_table,
-        block_size=cache.page_size,
-        parallel_drafting_token_id=drafter.cfg.mask_token_id,
-        num_speculative_steps=shape.num_drafts,
-        max_num_reqs=num_rows,
-        max_num_tokens=num_rows * num_query,
-        max_model_len=shape.max_model_len,
-        impl=shape.layout_impl,
-    )
-    for layer, (k_SKH, v_SKH) in enumerate(drafter.context_kv(features_TF, layout.context_positions)):
-        cache = cache.write(layer, layout.context_slot_mapping, k_SKH, v_SKH)
+    groups = DraftCacheGroups.of(tuple(rule.window for rule in drafter.cfg.layers))
+    layouts = [
+        prepare_dflash_inputs(
+            batch.positions,
+            batch.query_start_loc,
+            jnp.arange(num_rows, dtype=jnp.int32),
+            last_sampled_R,
+            next_prefill_tokens_R,
+            num_sampled_R,
+            num_rejected_R,
+            temperature_R,
+            seeds_R,
+            table,
+            block_size=cache.page_size,
+            parallel_drafting_token_id=drafter.cfg.mask_token_id,
+            num_speculative_steps=shape.num_drafts,
+            max_num_reqs=num_rows,
+            max_num_tokens=num_rows * num_query,
+            max_model_len=shape.max_model_len,
+            impl=shape.layout_impl,
+        )
+        for cache, table in zip(caches, block_tables)
+    ]
+    caches = list(caches)
+    for layer, (k_SKH, v_SKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions)):
+        group, index = groups.group_of(layer)
+        caches[group] = caches[group].write(index, layouts[group].context_slot_mapping, k_SKH, v_SKH)
 
+    layout = layouts[0]  # ids, positions and sample rows are the same in every group
     query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
 
     def attend(layer, q, k, v):
-        nonlocal cache
-        cache = cache.write(layer, layout.query_slot_mapping, k, v)
+        group, index = groups.group_of(layer)
+        cache = caches[group].write(index, layouts[group].query_slot_mapping, k, v)
+        caches[group] = cache
         return paged_attention(
-            q, layout.query_positions, query_rows, cache.k[layer], cache.v[layer], batch.block_table,
+            q, layout.query_positions, query_rows, cache.k[index], cache.v[index], block_tables[group],
             layout.seq_lens, page_size=cache.page_size, rule=drafter.cfg.layers[layer],
         )
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
     hidden_QD = drafter(block_embeds, layout.query_positions, attend)
     logits = drafter.logits(target.unembed, hidden_QD[layout.sample_indices].astype(target.dtype))
-    return cache, logits.reshape(num_rows, shape.num_drafts, -1), layout
+    return tuple(caches), logits.reshape(num_rows, shape.num_drafts, -1), layout

@@ -141,3 +141,47 @@ def test_bad_engine_settings_are_refused(models):
         Engine(target, drafters["full"], block_size=5)
     with pytest.raises(ValueError, match="cannot hold 8 requests x 4 verify rows"):
         Engine(target, drafters["full"], max_num_reqs=8, max_num_tokens=16)
+
+
+def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
+    """The windowed drafter group gives back pages that left the window; the drafts (hence
+    the accepted lengths) stay those of generate(), which keeps every page."""
+    target, drafters, reference = models
+    drafter = drafters["sliding"]
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference")
+    (window_pool,) = engine._window_allocators
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:4]]
+    most_in_use = 0
+    while engine.has_unfinished():
+        engine.step()
+        most_in_use = max(most_in_use, window_pool.num_pages - 1 - window_pool.num_free)
+    expected = dflash_jax.generate(target, drafter, PROMPTS[:4], max_new_tokens=20, layout_impl="reference")
+    assert [engine.output(i) for i in ids] == reference[:4]
+    assert [engine.stats(i).accepted_lengths for i in ids] == expected.accepted_lengths
+    all_positions = sum(len(p) + 20 for p in PROMPTS[:4])
+    assert most_in_use * 4 < all_positions / 2  # far fewer pages than keeping every position
+    assert window_pool.num_free == window_pool.num_pages - 1
+
+
+def test_windowed_drafts_match_the_dense_drafter_after_eviction(models):
+    """After every step, the drafter's distribution q held on the device for the next block
+    equals the dense, uncached drafter over the full context: eviction loses nothing in view."""
+    from dflash_jax import sampling
+
+    target, drafters, _ = models
+    drafter = drafters["sliding"]
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference")
+    request_id = engine.add_request(PROMPTS[2][:30], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        request = engine._requests[request_id]
+        if not engine.has_unfinished() or not request.has_drafts:
+            continue
+        tokens = request.tokens
+        _, features = dflash_jax.target_forward(target, tokens[:-1], layer_ids=drafter.cfg.target_layer_ids)
+        block = [tokens[-1]] + [drafter.cfg.mask_token_id] * engine.num_drafts
+        dense_q = sampling.processed_probs(dflash_jax.draft_logits(target, drafter, features, block), 1.0, 0, 1.0)
+        np.testing.assert_allclose(engine._state.draft_probs[request.slot], dense_q, atol=2e-5)
+        checked += 1
+    assert checked >= 5
