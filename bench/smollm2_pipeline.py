@@ -33,7 +33,8 @@ from dflash_jax.train.build_data import build_drafter_data
 from dflash_jax.train.data import DrafterDataset
 from dflash_jax.train.init import new_drafter_config
 from dflash_jax.train.model_card import write_model_card
-from dflash_jax.train.prompts import ChatTokenizer, shakespeare_prompts
+from dflash_jax.tokenizer import ChatTokenizer
+from dflash_jax.train.prompts import shakespeare_prompts
 from dflash_jax.train.step import Hyperparams
 from dflash_jax.train.trainer import train_drafter
 

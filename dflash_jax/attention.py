@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import LayerAttention
+from dflash_jax.kv_cache import slots_of
 
 
 def position_mask(q_positions_T, k_positions_S, rule: LayerAttention):
@@ -73,7 +74,8 @@ def paged_attention(
 
     def attend_tile(args):
         q_tNH, pos_t, req_t = args
-        slots_tC = block_table_RM[req_t][:, key_positions_C // page_size] * page_size + key_positions_C % page_size
+        key_positions_tC = jnp.broadcast_to(key_positions_C, (req_t.shape[0], key_positions_C.shape[0]))
+        slots_tC = slots_of(block_table_RM[req_t], key_positions_tC, page_size)
         k_tCKH, v_tCKH = k_slots_XKH[slots_tC], v_slots_XKH[slots_tC]
         mask_tC = position_mask(pos_t, key_positions_C, rule) & (key_positions_C[None] < seq_lens_R[req_t][:, None])
         q_tKGH = q_tNH.reshape(q_tNH.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)

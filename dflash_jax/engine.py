@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import itertools
 import time
 from collections import deque
 from typing import Sequence
@@ -37,8 +36,10 @@ from dflash_jax.kv_cache import (
     PageAllocator,
     PagedKVCache,
     kv_cache_bytes,
+    slots_of,
 )
 from dflash_jax.models import Drafter, Target
+from dflash_jax.requests import check_prompt, check_request, next_pow2, resolve_block_size
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
 
 
@@ -59,7 +60,7 @@ class RequestOutput:
     request_id: int
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop" or "length"
 
 
 @dataclasses.dataclass
@@ -107,6 +108,20 @@ class _Request:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """One request's share of a step: `rows` target rows, verify rows or a prefill chunk."""
+
+    request: _Request
+    rows: int
+    verifying: bool
+
+    @property
+    def samples(self) -> bool:
+        """Does this step give the request a token (verify, or the last prefill chunk)?"""
+        return self.verifying or self.request.num_computed + self.rows == len(self.request.tokens)
 
 
 @functools.partial(
@@ -158,7 +173,6 @@ class _StepShape:
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
-_trace_count = itertools.count()
 _traces = [0]
 
 
@@ -181,14 +195,18 @@ class Engine:
     ):
         if drafter is not None:
             check_drafter_fits_target(target.cfg, drafter.cfg)
-            trained = drafter.cfg.block_size
-            block_size = trained if block_size is None else block_size
-            if not 2 <= block_size <= trained:
-                raise ValueError(f"block_size must lie in [2, {trained}] for this drafter, got {block_size}.")
+            block_size = resolve_block_size(drafter.cfg, block_size)
+        elif block_size is not None:
+            raise ValueError("block_size needs a drafter; pass one, or drop block_size for plain decoding.")
+        if num_pages is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("give num_pages or kv_cache_memory_bytes, not both.")
         self.num_drafts = 0 if drafter is None else block_size - 1
-        self.max_model_len = max_model_len or target.cfg.max_position_embeddings
+        limit = target.cfg.max_position_embeddings
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must lie in [1, {limit}] (the target's max positions), got {max_model_len}.")
+        self.max_model_len = max_model_len or limit
         for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens)):
-            if value < 1 or value != _next_pow2(value):
+            if value < 1 or value != next_pow2(value):
                 raise ValueError(f"{name} must be a power of two (batches are padded to those), got {value}.")
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -201,7 +219,7 @@ class Engine:
         # Room for every position a request can touch: its tokens, a verify block and the
         # draft query rows after it.
         self.max_blocks = self._pages_needed(self.max_model_len + self._lookahead)
-        self._groups = DraftCacheGroups.of(tuple(r.window for r in drafter.cfg.layers)) if drafter else None
+        self._groups = DraftCacheGroups.for_drafter(drafter.cfg) if drafter else None
         num_pages = num_pages or self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
         self.allocator = PageAllocator(num_pages)
         # Windowed groups hold at most a window plus one step per request: a fixed pool.
@@ -229,20 +247,9 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Refuses (ValueError) what could never run."""
         params = sampling_params or SamplingParams()
-        sampling.validate_sampling_params(params.temperature, params.top_k, params.top_p)
-        prompt = np.asarray(prompt_ids)
-        vocab = self._target.cfg.vocab_size
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError("prompt_ids must be a non-empty flat list of token ids.")
-        if not np.issubdtype(prompt.dtype, np.integer) or prompt.min() < 0 or prompt.max() >= vocab:
-            raise ValueError(f"prompt_ids holds token ids outside the vocabulary [0, {vocab}).")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}.")
-        if prompt.size + params.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt.size} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_new_tokens."
-            )
+        prompt = check_prompt(prompt_ids, self._target.cfg.vocab_size, "prompt_ids")
+        check_request(prompt.size, params.max_new_tokens, self.max_model_len, temperature=params.temperature,
+                      top_k=params.top_k, top_p=params.top_p, seed=params.seed)
         needed = self._pages_needed(prompt.size + params.max_new_tokens + self._lookahead)
         if needed > self.allocator.num_pages - 1:
             raise ValueError(
@@ -251,7 +258,7 @@ class Engine:
             )
         request_id = self._next_id
         self._next_id += 1
-        request = _Request(request_id, int(prompt.size), prompt.astype(int).tolist(), params, RequestStats())
+        request = _Request(request_id, int(prompt.size), prompt.tolist(), params, RequestStats())
         self._requests[request_id] = request
         self._waiting.append(request)
         return request_id
@@ -268,33 +275,40 @@ class Engine:
         return bool(self._waiting or self._running)
 
     def stats(self, request_id: int) -> RequestStats:
-        return self._requests[request_id].stats
+        return self._request(request_id).stats
 
     def output(self, request_id: int) -> list[int]:
         """Every token generated so far for the request."""
-        request = self._requests[request_id]
+        request = self._request(request_id)
         return request.tokens[request.prompt_len :]
+
+    def _request(self, request_id: int) -> _Request:
+        if request_id not in self._requests:
+            raise ValueError(f"no request with id {request_id}; use an id returned by add_request.")
+        return self._requests[request_id]
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the new tokens of every request that advanced."""
-        batch_requests, chunks = self._schedule()
-        if not batch_requests:
+        work = self._schedule()
+        if not work:
+            if self._running:  # pages are always reserved to fit: this is a bug, never a wait
+                raise RuntimeError("the engine could schedule none of its running requests.")
             return []
-        batch = self._build_batch(batch_requests, chunks)
+        batch = self._build_batch(work)
         self._state, tokens_RQ, accepted_R = _engine_step(
             self._graphs, self._params, self._state, batch, shape=self._shape
         )
         tokens_RQ, accepted_R = jax.device_get((tokens_RQ, accepted_R))
-        return self._commit(batch_requests, chunks, tokens_RQ, accepted_R)
+        return self._commit(work, tokens_RQ, accepted_R)
 
     def precompile(self) -> int:
         """Compile every (rows, tokens) bucket up front by running inert batches through it
         (every write of an inert batch is dropped); returns how many buckets there are."""
-        buckets = [
-            (num_rows, num_tokens)
-            for num_rows in _pow2_range(1, self.max_num_reqs)
-            for num_tokens in _pow2_range(max(num_rows, 8), self.max_num_tokens)
-        ]
+        buckets = sorted({
+            (next_pow2(num_rows), self._token_bucket(num_tokens, num_rows))
+            for num_rows in range(1, self.max_num_reqs + 1)
+            for num_tokens in range(num_rows, self.max_num_tokens + 1)
+        })
         for num_rows, num_tokens in buckets:
             inert = self._host_batch(num_rows, num_tokens)
             self._state, *_ = _engine_step(self._graphs, self._params, self._state, inert.to_device(), shape=self._shape)
@@ -307,27 +321,31 @@ class Engine:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _schedule(self) -> tuple[list[_Request], list[int]]:
+    def _token_bucket(self, num_tokens: int, num_rows: int) -> int:
+        """Static token count of a batch: a power of two, at least 8 rows unless the budget is smaller."""
+        return min(max(next_pow2(num_tokens), 8, next_pow2(num_rows)), self.max_num_tokens)
+
+    def _schedule(self) -> list[_Work]:
         """Running requests first (verify rows), then admissions; prefill takes what is left."""
         while self._waiting and len(self._running) < self.max_num_reqs:
             request = self._waiting.popleft()
             request.status, request.slot = _Status.RUNNING, self._free_slots.pop()
             self._running.append(request)
         budget = self.max_num_tokens
-        batch, chunks = [], []
+        work: list[_Work] = []
         for request in list(self._running):
             if request.status is not _Status.RUNNING:
                 continue  # preempted while scheduling an earlier request
             pending = len(request.tokens) - request.num_computed
-            rows = 1 + self.num_drafts if request.has_drafts and pending == 1 else min(pending, budget)
+            verifying = request.has_drafts and pending == 1
+            rows = 1 + self.num_drafts if verifying else min(pending, budget)
             if rows <= 0 or rows > budget:
                 continue
-            if not self._reserve(request, request.num_computed + rows + self._lookahead, protected=batch):
+            if not self._reserve(request, request.num_computed + rows + self._lookahead, [w.request for w in work]):
                 continue
-            batch.append(request)
-            chunks.append(rows)
+            work.append(_Work(request, rows, verifying))
             budget -= rows
-        return batch, chunks
+        return work
 
     @property
     def _lookahead(self) -> int:
@@ -335,8 +353,13 @@ class Engine:
         return 1 + self.num_drafts
 
     def _reserve(self, request: _Request, num_positions: int, protected: list[_Request]) -> bool:
-        """Pages for positions < num_positions, preempting the newest unscheduled others."""
-        blocks = self._pages_needed(min(num_positions, self.max_blocks * self.page_size))
+        """Pages for positions < num_positions, preempting the newest unscheduled others.
+
+        Capped at what the request can ever touch (its longest sequence and one draft block
+        after it), which `add_request` checked fits the cache.
+        """
+        longest = request.prompt_len + request.params.max_new_tokens + self._lookahead
+        blocks = self._pages_needed(min(num_positions, longest))
         missing = blocks - len(request.pages)
         while missing > 0:
             try:
@@ -392,16 +415,14 @@ class Engine:
 
     # ---- batches ------------------------------------------------------------------------
 
-    def _build_batch(self, requests: list[_Request], chunks: list[int]) -> _StepBatch:
-        num_rows = _next_pow2(len(requests))
-        num_tokens = max(_next_pow2(sum(chunks)), 8, num_rows)
+    def _build_batch(self, work: list[_Work]) -> _StepBatch:
+        num_rows = next_pow2(len(work))
+        host = self._host_batch(num_rows, self._token_bucket(sum(w.rows for w in work), len(work)))
         q = 1 + self.num_drafts
-        host = self._host_batch(num_rows, num_tokens)
         start = 0
-        for r, (request, rows) in enumerate(zip(requests, chunks)):
+        for r, (request, rows, verifying) in enumerate((w.request, w.rows, w.verifying) for w in work):
             span = slice(start, start + rows)
             positions = np.arange(request.num_computed, request.num_computed + rows)
-            verifying = request.has_drafts and len(request.tokens) - request.num_computed == 1
             if verifying:
                 host.tokens[span] = [request.tokens[-1]] + [0] * self.num_drafts  # drafts filled on device
                 host.verify_rows[r] = start + np.arange(q)
@@ -410,10 +431,10 @@ class Engine:
             else:
                 host.tokens[span] = request.tokens[request.num_computed : request.num_computed + rows]
                 host.verify_rows[r] = start + rows - 1
-            done_prefill = verifying or request.num_computed + rows == len(request.tokens)
+            samples = work[r].samples
             host.use_drafts[r] = verifying
-            host.num_sampled[r] = int(done_prefill)
-            if not done_prefill:
+            host.num_sampled[r] = int(samples)
+            if not samples:
                 host.next_prefill[r] = request.tokens[request.num_computed + rows]
             host.positions[span], host.rows[span] = positions, r
             table = np.zeros(self.max_blocks, np.int32)
@@ -421,30 +442,29 @@ class Engine:
             host.block_table[r] = table
             for window_table, pages in zip(host.window_tables, request.window_pages):
                 window_table[r, : len(pages)] = pages
-            host.slots_T[span] = table[positions // self.page_size] * self.page_size + positions % self.page_size
+            host.slots_T[span] = slots_of(table, positions, self.page_size)
             host.anchor_pos[r] = positions[-1] if not verifying else positions[0]
             host.slot[r] = request.slot
             p = request.params
             host.temperature[r], host.top_k[r], host.top_p[r], host.seeds[r] = p.temperature, p.top_k, p.top_p, p.seed
             start += rows
             host.query_start_loc[r + 1] = start
-        host.query_start_loc[len(requests) + 1 :] = start
+        host.query_start_loc[len(work) + 1 :] = start
         return host.to_device()
 
     def _host_batch(self, num_rows: int, num_tokens: int) -> _HostBatch:
         return _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs,
                           num_window_groups=len(self._window_allocators))
 
-    def _commit(self, requests, chunks, tokens_RQ, accepted_R) -> list[RequestOutput]:
+    def _commit(self, work: list[_Work], tokens_RQ, accepted_R) -> list[RequestOutput]:
         outputs = []
-        for r, (request, rows) in enumerate(zip(requests, chunks)):
-            verifying = request.has_drafts and len(request.tokens) - request.num_computed == 1
-            finishing_prefill = not verifying and request.num_computed + rows == len(request.tokens)
-            accepted = int(accepted_R[r]) if verifying else 0
-            request.num_computed += (accepted + 1) if verifying else rows
+        for r, w in enumerate(work):
+            request, samples = w.request, w.samples  # `samples` reads num_computed: before the update
+            accepted = int(accepted_R[r]) if w.verifying else 0
+            request.num_computed += (accepted + 1) if w.verifying else w.rows
             if self._window_allocators:
                 self._evict_out_of_window(request)
-            if not (verifying or finishing_prefill):
+            if not samples:
                 request.has_drafts = False
                 continue
             new = [int(t) for t in tokens_RQ[r, : accepted + 1]]
@@ -460,7 +480,7 @@ class Engine:
             stats = request.stats
             stats.num_generated = request.num_generated
             stats.first_token_s = stats.first_token_s or time.perf_counter()
-            if verifying:
+            if w.verifying:
                 stats.accepted_lengths.append(len(new))
             if reason is None and request.num_generated >= params.max_new_tokens:
                 reason = "length"
@@ -485,19 +505,16 @@ class Engine:
         return max(2, budget // per_page)
 
     def _initial_state(self, num_pages: int) -> _DeviceState:
-        def cache(model, num_layers, pages):
-            return PagedKVCache.zeros(
-                num_layers=num_layers, num_pages=pages, page_size=self.page_size,
-                num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
-            )
-
         draft_caches = ()
         if self._drafter is not None:
             pools = [num_pages] + [allocator.num_pages for allocator in self._window_allocators]
-            draft_caches = tuple(cache(self._drafter, len(layers), pages) for layers, pages in zip(self._groups.layers, pools))
+            draft_caches = tuple(
+                PagedKVCache.for_model(self._drafter, len(layers), pages, self.page_size)
+                for layers, pages in zip(self._groups.layers, pools)
+            )
         n, vocab = self.num_drafts, self._target.cfg.vocab_size
         return _DeviceState(
-            target_cache=cache(self._target, self._target.cfg.num_layers, num_pages),
+            target_cache=PagedKVCache.for_model(self._target, self._target.cfg.num_layers, num_pages, self.page_size),
             draft_caches=draft_caches,
             drafts=jnp.zeros((self.max_num_reqs, n), jnp.int32),
             draft_probs=jnp.zeros((self.max_num_reqs, n, vocab), jnp.float32),
@@ -563,8 +580,8 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     target_cache, logits, features = target_step(target, state.target_cache, target_batch, shape.layer_ids)
     logits_RQV = logits.reshape(num_rows, num_query, -1)
     if not n:
-        probs_RV = sampling.processed_probs(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p)
-        token_R = sampling.sample_tokens(probs_RV, batch.seeds, batch.anchor_pos, sampling.TARGET_STREAM)
+        token_R = sampling.sample_target(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p, batch.seeds,
+                                         batch.anchor_pos)
         return dataclasses.replace(state, target_cache=target_cache), token_R[:, None], jnp.zeros_like(token_R)
 
     draft_probs_RNV = state.draft_probs[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
@@ -574,14 +591,12 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     )
     bonus_R = tokens_RQ[rows_R, accepted_R]
     drafter = nnx.merge(graphs[1], params[1])
-    draft_caches, draft_logits_RNV, _ = draft_step(
+    draft_caches, draft_logits_RNV = draft_step(
         target, drafter, state.draft_caches, (target_batch.block_table, *batch.window_tables), target_batch, features,
         num_rejected_R=jnp.where(batch.use_drafts, n - accepted_R, 0),
         num_sampled_R=batch.num_sampled,
         last_sampled_R=bonus_R,
         next_prefill_tokens_R=batch.next_prefill_tokens,
-        temperature_R=batch.temperature,
-        seeds_R=batch.seeds,
         shape=DraftShape(n, shape.max_model_len, shape.layout_impl),
     )
     next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
@@ -595,14 +610,3 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
         draft_probs=state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
     )
     return state, tokens_RQ, accepted_R
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _pow2_range(low: int, high: int):
-    value = _next_pow2(low)
-    while value <= high:
-        yield value
-        value *= 2

@@ -21,8 +21,9 @@ from flax import nnx
 
 from dflash_jax import sampling
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache
+from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
+from dflash_jax.requests import check_prompt, check_request, next_pow2, resolve_block_size
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
 
 
@@ -54,7 +55,6 @@ class _Static:
     max_model_len: int
     layer_ids: tuple[int, ...]
     layout_impl: str
-    num_pages: int
     page_size: int
 
 
@@ -75,12 +75,7 @@ def generate(
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists)."""
     check_drafter_fits_target(target.cfg, drafter.cfg)
-    trained = drafter.cfg.block_size
-    block_size = trained if block_size is None else block_size
-    if not 2 <= block_size <= trained:
-        raise ValueError(
-            f"block_size must lie in [2, {trained}] (the drafter was trained with {trained}), got {block_size}."
-        )
+    block_size = resolve_block_size(drafter.cfg, block_size)
     return _run(target, drafter, prompts, block_size - 1, max_new_tokens, temperature, top_k, top_p, seed,
                 stop_token_ids, page_size, layout_impl)
 
@@ -104,23 +99,20 @@ def generate_autoregressive(
 
 def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_k, top_p, seed,
          stop_token_ids, page_size, layout_impl) -> GenerateResult:
-    sampling.validate_sampling_params(temperature, top_k, top_p)
-    prompts = _validate_prompts(prompts, target.cfg.vocab_size)
+    if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token id lists.")
+    prompts = [check_prompt(p, target.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
     max_model_len = target.cfg.max_position_embeddings
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > max_model_len:
-        raise ValueError(
-            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-            f"model's max length {max_model_len}; shorten the prompt or lower max_new_tokens."
-        )
+    check_request(longest, max_new_tokens, max_model_len, temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=seed)
     num_reqs = len(prompts)
-    seeds = np.broadcast_to(np.asarray(seed, np.int64), (num_reqs,)).astype(np.int32)
+    seeds = np.broadcast_to(np.asarray(seed), (num_reqs,)).astype(np.int32)
     stops = np.asarray(sorted(set(stop_token_ids or ())) or [-1], np.int32)
-    # Pages per request: prompt + all new tokens + one verify block beyond the last one.
-    capacity = _next_pow2(max_new_tokens)
-    pages_per_req = -(-(longest + capacity + num_drafts + 1) // page_size)
+    # Pages per request: prompt + all new tokens + one draft block beyond the last one, in
+    # power-of-two buckets so that nearby lengths share a compiled program.
+    capacity = next_pow2(max_new_tokens)
+    pages_per_req = -(-(next_pow2(longest) + capacity + num_drafts + 1) // page_size)
     block_table = 1 + np.arange(num_reqs * pages_per_req, dtype=np.int32).reshape(num_reqs, pages_per_req)
     static = _Static(
         num_drafts=num_drafts,
@@ -128,7 +120,6 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         max_model_len=max_model_len,
         layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
         layout_impl=layout_impl,
-        num_pages=1 + num_reqs * pages_per_req,
         page_size=page_size,
     )
     prefill = _prefill_batch(prompts, block_table, page_size)
@@ -151,35 +142,10 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
     )
 
 
-def _validate_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
-    if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token id lists.")
-    arrays = []
-    for i, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt {i} is empty or not a flat list of token ids; give at least one token.")
-        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size}).")
-        arrays.append(ids.astype(np.int32))
-    return arrays
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _cache(cfg, num_layers, num_pages, page_size, dtype) -> PagedKVCache:
-    return PagedKVCache.zeros(
-        num_layers=num_layers, num_pages=num_pages, page_size=page_size,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-    )
-
-
 def _prefill_batch(prompts, block_table, page_size) -> TargetBatch:
     """All prompts packed back to back, padded to a power of two with inert rows."""
     lengths = np.array([len(p) for p in prompts])
-    num_tokens = _next_pow2(max(int(lengths.sum()), 16))
+    num_tokens = next_pow2(max(int(lengths.sum()), 16))
     start_loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -189,7 +155,7 @@ def _prefill_batch(prompts, block_table, page_size) -> TargetBatch:
         span = slice(start_loc[r], start_loc[r + 1])
         pos = np.arange(len(prompt))
         token_ids[span], positions[span], rows[span] = prompt, pos, r
-        slots[span] = block_table[r, pos // page_size] * page_size + pos % page_size
+        slots[span] = slots_of(block_table[r], pos, page_size)
     return TargetBatch(
         token_ids=jnp.asarray(token_ids),
         positions=jnp.asarray(positions),
@@ -212,27 +178,24 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
     # Caches are born inside the program: nothing to transfer or donate.
     # Every request owns its pages for the whole run: each drafter cache group (one per
     # attention kind) uses the same trivial block table, and nothing is evicted.
-    caches = [_cache(target.cfg, target.cfg.num_layers, static.num_pages, page_size, target.dtype)]
+    num_pages = 1 + prefill.block_table.size
+    caches = [PagedKVCache.for_model(target, target.cfg.num_layers, num_pages, page_size)]
     if num_drafts:
-        groups = DraftCacheGroups.of(tuple(rule.window for rule in drafter.cfg.layers))
-        caches.append(tuple(
-            _cache(drafter.cfg, len(layers), static.num_pages, page_size, drafter.dtype) for layers in groups.layers
-        ))
+        groups = DraftCacheGroups.for_drafter(drafter.cfg)
+        caches.append(tuple(PagedKVCache.for_model(drafter, len(layers), num_pages, page_size) for layers in groups.layers))
         draft_tables = (prefill.block_table,) * len(groups.layers)
     rows_R = jnp.arange(num_reqs, dtype=jnp.int32)
 
     def sample_rows(logits_RV, positions_R):
         """The next token from each row's logits; `positions_R` = the rows' positions."""
-        probs_RV = sampling.processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
-        return sampling.sample_tokens(probs_RV, seeds_R, positions_R, sampling.TARGET_STREAM)
+        return sampling.sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R)
 
     def propose(draft_cache, batch, features, num_rejected_R, anchor_R, anchor_pos_R):
         """(draft cache, (drafts [R, N], their distribution q [R, N, V])) for the next block."""
-        draft_cache, logits_RNV, _ = draft_step(
+        draft_cache, logits_RNV = draft_step(
             target, drafter, draft_cache, draft_tables, batch, features,
             num_rejected_R=num_rejected_R, num_sampled_R=jnp.ones_like(rows_R), last_sampled_R=anchor_R,
-            next_prefill_tokens_R=jnp.zeros_like(rows_R), temperature_R=temperature_R, seeds_R=seeds_R,
-            shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),
+            next_prefill_tokens_R=jnp.zeros_like(rows_R), shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),
         )
         return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
 
@@ -272,12 +235,11 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
         offsets = jnp.arange(num_query, dtype=jnp.int32)
         positions_RQ = s["start"][:, None] + offsets[None, :]
         block_RQ = jnp.concatenate([s["anchor"][:, None], s["drafts"][0]], axis=1)
-        pages_RQ = prefill.block_table[rows_R[:, None], positions_RQ // page_size]
         batch = TargetBatch(
             token_ids=block_RQ.reshape(-1),
             positions=positions_RQ.reshape(-1),
             rows=jnp.repeat(rows_R, num_query),
-            slots=(pages_RQ * page_size + positions_RQ % page_size).reshape(-1),
+            slots=slots_of(prefill.block_table[rows_R], positions_RQ, page_size).reshape(-1),
             query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
             block_table=prefill.block_table,
             logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),

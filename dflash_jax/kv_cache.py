@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NULL_PAGE = 0
 PAD_SLOT = -1
@@ -37,6 +38,14 @@ class PagedKVCache:
             page_size=page_size,
         )
 
+    @classmethod
+    def for_model(cls, model, num_layers: int, num_pages: int, page_size: int) -> PagedKVCache:
+        """A zeroed cache for `num_layers` layers shaped like `model`'s attention."""
+        return cls.zeros(
+            num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+            num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
+        )
+
     @property
     def num_slots(self) -> int:
         return self.k[0].shape[0]
@@ -57,13 +66,12 @@ def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, 
     return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def slot_mapping(block_table_RM, req_T, positions_T, page_size: int, valid_T=None):
-    """Slot of each token (request row `req_T`, position `positions_T`); PAD_SLOT if invalid."""
-    pages_T = block_table_RM[req_T, positions_T // page_size]
-    slots_T = pages_T * page_size + positions_T % page_size
-    if valid_T is not None:
-        slots_T = jnp.where(valid_T, slots_T, PAD_SLOT)
-    return slots_T
+def slots_of(block_table, positions, page_size: int):
+    """Slot of each position through its block table row: `block_table` [..., max_blocks] and
+    `positions` [..., n] with the same leading shape; numpy on the host, jax on the device."""
+    xp = np if isinstance(block_table, np.ndarray) else jnp
+    pages = xp.take_along_axis(block_table, positions // page_size, axis=-1)
+    return pages * page_size + positions % page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +87,8 @@ class DraftCacheGroups:
     layers: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, layer_windows: tuple[int | None, ...]) -> DraftCacheGroups:
+    def for_drafter(cls, cfg) -> DraftCacheGroups:
+        layer_windows = tuple(rule.window for rule in cfg.layers)
         windows = (None,) + tuple(sorted({w for w in layer_windows if w is not None}))
         layers = tuple(tuple(i for i, w in enumerate(layer_windows) if w == window) for window in windows)
         return cls(windows, layers)

@@ -139,6 +139,13 @@ def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
+def sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R) -> jax.Array:
+    """One token per row from the target's processed distribution, keyed (TARGET_STREAM,
+    the row's position): a plain, non-speculative step (e.g. the first token after prefill)."""
+    probs_RV = processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
+    return sample_tokens(probs_RV, seeds_R, positions_R, TARGET_STREAM)
+
+
 def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R):
     """(draft_tokens_RN, draft_probs_RNV): draft j is drawn from q at draft row j.
 

@@ -20,7 +20,7 @@ from dflash_jax.attention import paged_attention
 from dflash_jax.config import LayerAttention
 from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
 from dflash_jax.models import Drafter, Target
-from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
+from pallas_kernels.dflash_layout import prepare_dflash_inputs
 
 CAUSAL = LayerAttention(causal=True)
 
@@ -91,11 +91,9 @@ def draft_step(
     num_sampled_R,
     last_sampled_R,
     next_prefill_tokens_R,
-    temperature_R,
-    seeds_R,
     shape: DraftShape,
 ):
-    """(caches, draft logits [R, N, V] float32, layout) after the target ran `batch`.
+    """(caches, draft logits [R, N, V] float32) after the target ran `batch`.
 
     `caches` and `block_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
@@ -103,7 +101,8 @@ def draft_step(
     """
     num_rows = batch.block_table.shape[0]
     num_query = 1 + shape.num_drafts
-    groups = DraftCacheGroups.of(tuple(rule.window for rule in drafter.cfg.layers))
+    groups = DraftCacheGroups.for_drafter(drafter.cfg)
+    unused_R = jnp.zeros(num_rows, jnp.int32)  # the layout's sampling copies are not read here
     layouts = [
         prepare_dflash_inputs(
             batch.positions,
@@ -113,15 +112,16 @@ def draft_step(
             next_prefill_tokens_R,
             num_sampled_R,
             num_rejected_R,
-            temperature_R,
-            seeds_R,
+            unused_R.astype(jnp.float32),
+            unused_R,
             table,
             block_size=cache.page_size,
             parallel_drafting_token_id=drafter.cfg.mask_token_id,
             num_speculative_steps=shape.num_drafts,
             max_num_reqs=num_rows,
             max_num_tokens=num_rows * num_query,
-            max_model_len=shape.max_model_len,
+            # Pages cover a draft block past the last position: no query row needs clamping.
+            max_model_len=shape.max_model_len + num_query,
             impl=shape.layout_impl,
         )
         for cache, table in zip(caches, block_tables)
@@ -146,4 +146,4 @@ def draft_step(
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
     hidden_QD = drafter(block_embeds, layout.query_positions, attend)
     logits = drafter.logits(target.unembed, hidden_QD[layout.sample_indices].astype(target.dtype))
-    return tuple(caches), logits.reshape(num_rows, shape.num_drafts, -1), layout
+    return tuple(caches), logits.reshape(num_rows, shape.num_drafts, -1)

@@ -164,7 +164,7 @@ def _reference_layout(cfg, positions, start_loc, idx_mapping, last_sampled,
     T, R, Q, N = cfg.num_target_rows, cfg.num_reqs, cfg.query_len, cfg.num_steps
     pad = cfg.pad_slot_id
     start_loc = jnp.clip(start_loc, 0, T)
-    start_R, end_R = start_loc[:-1], start_loc[1:]
+    end_R = start_loc[1:]
     valid_end_R = end_R - num_rejected
     last_valid_pos_R = positions[jnp.clip(valid_end_R - 1, 0, T - 1)]
     state_R = jnp.clip(idx_mapping, 0, cfg.max_num_reqs - 1)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import dflash_jax
-from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
+from conftest import drafter_config_dict, make_zlab_drafter, save_hf
 from dflash_jax.engine import Engine, SamplingParams
 from dflash_jax.generate import generate_autoregressive
 from test_generate import biased_target
@@ -112,9 +112,9 @@ def test_no_compilation_after_precompile(models):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ([], SamplingParams(), "non-empty"),
+        ([], SamplingParams(), "prompt_ids is empty"),
         ([1, 96], SamplingParams(), "outside the vocabulary"),
-        ([1] * 200, SamplingParams(max_new_tokens=100), "exceeds max_model_len 256"),
+        ([1] * 200, SamplingParams(max_new_tokens=100), "exceeds the model.s max length 256"),
         ([1], SamplingParams(temperature=-0.5), "temperature must be >= 0"),
         ([1], SamplingParams(top_p=2.0), r"top_p must lie in \(0, 1\]"),
         ([1], SamplingParams(top_k=-1), "top_k must be a non-negative integer"),
@@ -185,3 +185,46 @@ def test_windowed_drafts_match_the_dense_drafter_after_eviction(models):
         np.testing.assert_allclose(engine._state.draft_probs[request.slot], dense_q, atol=2e-5)
         checked += 1
     assert checked >= 5
+
+
+def test_tight_cache_serves_to_the_end(models):
+    """A cache exactly as large as add_request demands still serves the request to its end."""
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4, page_size=4, num_pages=6,
+                    layout_impl="reference")
+    request_id = engine.add_request(PROMPTS[0] + [8, 9], SamplingParams(max_new_tokens=11))
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    expected = generate_autoregressive(target, [PROMPTS[0] + [8, 9]], max_new_tokens=11).token_ids[0]
+    assert engine.output(request_id) == expected
+
+
+def test_precompile_covers_budgets_below_eight_tokens(models):
+    target, drafters, _ = models
+    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4, layout_impl="reference")
+    assert engine.precompile() >= 1
+    traces = Engine.num_traces()
+    engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert Engine.num_traces() == traces
+
+
+def test_more_refusals(models):
+    target, drafters, _ = models
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        engine.add_request([1], SamplingParams(seed=2**31))
+    with pytest.raises(ValueError, match="no request with id 7"):
+        engine.output(7)
+    with pytest.raises(ValueError, match="block_size needs a drafter"):
+        Engine(target, None, block_size=4)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(target, drafters["full"], num_pages=10, kv_cache_memory_bytes=10**6)
+    with pytest.raises(ValueError, match=r"max_model_len must lie in \[1, 256\]"):
+        Engine(target, drafters["full"], max_model_len=1000)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        dflash_jax.generate(target, drafters["full"], [[1]], max_new_tokens=2, seed=2**40)

@@ -6,7 +6,6 @@ import tarfile
 
 import jax
 import numpy as np
-import pytest
 
 import dflash_jax
 from convert.export_hf import export_hf
@@ -15,7 +14,8 @@ from dflash_jax import cli
 from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.config import to_hf_config
 from dflash_jax.train.data import DrafterDataset
-from dflash_jax.train.prompts import ChatTokenizer, shakespeare_prompts
+from dflash_jax.tokenizer import ChatTokenizer
+from dflash_jax.train.prompts import shakespeare_prompts
 from dflash_jax.train.step import Hyperparams, drafter_params
 from dflash_jax.train.trainer import train_drafter
 from test_train_forward import tiny_pair

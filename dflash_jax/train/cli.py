@@ -69,7 +69,8 @@ def add_parser(subparsers) -> None:
 def run_build_data(args: argparse.Namespace) -> None:
     from dflash_jax.checkpoint import load_target
     from dflash_jax.train.build_data import build_drafter_data
-    from dflash_jax.train.prompts import ChatTokenizer, jsonl_prompts, shakespeare_prompts
+    from dflash_jax.tokenizer import ChatTokenizer
+    from dflash_jax.train.prompts import jsonl_prompts, shakespeare_prompts
 
     target = load_target(args.target)
     temperatures = [float(t) for t in args.temperatures.split(",")]

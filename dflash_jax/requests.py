@@ -1,0 +1,56 @@
+"""Checks shared by `generate` and the `Engine`: one wording for every refused request.
+
+Everything here runs on the host before a request reaches the device, so a bad request is
+refused with a sentence and never occupies a slot or a page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_jax import sampling
+from dflash_jax.config import DrafterConfig
+
+INT32_MAX = 2**31 - 1
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
+    """The block size to draft with: the trained B by default, anything in [2, B]."""
+    trained = drafter.block_size
+    block_size = trained if block_size is None else block_size
+    if not 2 <= block_size <= trained:
+        raise ValueError(
+            f"block_size must lie in [2, {trained}] (the drafter was trained with {trained}), got {block_size}."
+        )
+    return block_size
+
+
+def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """The prompt as int32 token ids, or ValueError: empty, not flat, or outside the vocabulary."""
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"{name} is empty or not a flat list of token ids; give at least one token.")
+    if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}).")
+    return ids.astype(np.int32)
+
+
+def check_request(prompt_len: int, max_new_tokens: int, max_model_len: int, *, temperature, top_k, top_p, seed):
+    """Lengths, sampling parameters and seed of one request (or of a whole batch)."""
+    sampling.validate_sampling_params(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    if prompt_len + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+            f"model's max length {max_model_len}; shorten the prompt or lower max_new_tokens."
+        )
+    seeds = np.asarray(seed)
+    if not np.issubdtype(seeds.dtype, np.integer) or np.any(np.abs(seeds) > INT32_MAX):
+        raise ValueError(f"seed must be an integer in [-2**31 + 1, 2**31 - 1], got {seed}.")
+    if np.any(np.asarray(top_k) > INT32_MAX):
+        raise ValueError(f"top_k must be below 2**31 (0 turns it off), got {top_k}.")
