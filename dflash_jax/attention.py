@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import LayerAttention
-from dflash_jax.kv_cache import slots_of
 
 
 def position_mask(q_positions_T, k_positions_S, rule: LayerAttention):
@@ -60,30 +59,56 @@ def paged_attention(
     page_size: int,
     rule: LayerAttention,
     token_tile: int = 64,
+    key_chunk: int = 256,
 ):
     """Ragged queries over paged K/V: the jnp reference a Pallas kernel can replace.
 
     Query t belongs to batch row `q_req_T[t]`, whose keys are positions 0..seq_len-1 read
     through its block table; `rule` adds the causal / window conditions on positions. Rows
-    with nothing visible (padding) return zeros. Tokens are processed in tiles so the
-    gathered keys stay `[tile, max_blocks * page_size, K, H]`.
+    with nothing visible (padding) return zeros.
+
+    Work and memory follow the batch's real lengths, not the block table's width: tokens go
+    in tiles, and each tile walks its keys in chunks (an online softmax) for as many chunks
+    as its longest row needs, so gathered keys stay `[tile, key_chunk, K, H]`.
     """
     num_tokens, num_heads, head_dim = q_TNH.shape
     num_kv_heads = k_slots_XKH.shape[1]
-    key_positions_C = jnp.arange(block_table_RM.shape[1] * page_size, dtype=jnp.int32)
+    group = num_heads // num_kv_heads
+    chunk = max(1, key_chunk // page_size) * page_size
+    last_page = block_table_RM.shape[1] - 1
 
     def attend_tile(args):
         q_tNH, pos_t, req_t = args
-        key_positions_tC = jnp.broadcast_to(key_positions_C, (req_t.shape[0], key_positions_C.shape[0]))
-        slots_tC = slots_of(block_table_RM[req_t], key_positions_tC, page_size)
-        k_tCKH, v_tCKH = k_slots_XKH[slots_tC], v_slots_XKH[slots_tC]
-        mask_tC = position_mask(pos_t, key_positions_C, rule) & (key_positions_C[None] < seq_lens_R[req_t][:, None])
-        q_tKGH = q_tNH.reshape(q_tNH.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = jnp.einsum("tkgh,tckh->tkgc", q_tKGH, k_tCKH, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask_tC[:, None, None], scores * head_dim**-0.5, -jnp.inf)
-        probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True, initial=-1e30))
-        probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
-        out_tKGH = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v_tCKH.dtype), v_tCKH)
+        tile = q_tNH.shape[0]
+        q_tKGH = q_tNH.reshape(tile, num_kv_heads, group, head_dim)
+        table_tM = block_table_RM[req_t]
+        seq_len_t = seq_lens_R[req_t]
+
+        def one_chunk(c, carry):
+            max_tKG, sum_tKG, acc_tKGH = carry
+            key_pos_C = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            pages_tC = jnp.broadcast_to(jnp.minimum(key_pos_C // page_size, last_page), (tile, chunk))
+            slots_tC = jnp.take_along_axis(table_tM, pages_tC, axis=-1) * page_size + key_pos_C % page_size
+            k_tCKH, v_tCKH = k_slots_XKH[slots_tC], v_slots_XKH[slots_tC]
+            mask_tC = position_mask(pos_t, key_pos_C, rule) & (key_pos_C[None] < seq_len_t[:, None])
+            scores = jnp.einsum("tkgh,tckh->tkgc", q_tKGH, k_tCKH, preferred_element_type=jnp.float32)
+            scores = jnp.where(mask_tC[:, None, None], scores * head_dim**-0.5, -jnp.inf)
+            new_max = jnp.maximum(max_tKG, jnp.max(scores, axis=-1, initial=-1e30))
+            probs = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(max_tKG - new_max)
+            acc_tKGH = acc_tKGH * rescale[..., None] + jnp.einsum(
+                "tkgc,tckh->tkgh", probs.astype(v_tCKH.dtype), v_tCKH, preferred_element_type=jnp.float32
+            )
+            return new_max, sum_tKG * rescale + probs.sum(-1), acc_tKGH
+
+        init = (
+            jnp.full((tile, num_kv_heads, group), -1e30, jnp.float32),
+            jnp.zeros((tile, num_kv_heads, group), jnp.float32),
+            jnp.zeros((tile, num_kv_heads, group, head_dim), jnp.float32),
+        )
+        num_chunks = (jnp.max(seq_len_t) + chunk - 1) // chunk
+        _, sum_tKG, acc_tKGH = jax.lax.fori_loop(0, num_chunks, one_chunk, init)
+        out_tKGH = acc_tKGH / jnp.maximum(sum_tKG, 1e-30)[..., None]
         return out_tKGH.reshape(q_tNH.shape).astype(q_TNH.dtype)
 
     if num_tokens <= token_tile:
