@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import json
-
 
 import numpy as np
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drop each module's compiled programs when it ends: a long CPU run otherwise piles up
+    thousands of XLA executables (and their memory maps) until compilation itself crashes."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
