@@ -62,3 +62,15 @@ def test_exported_pair_loads_in_transformers_and_zlab(tmp_path):
     block = [5, 79, 79, 79]
     ours = dflash_jax.draft_logits(target, bf16_drafter, features, block)
     assert rel_err(ours, reference_draft_logits(hf_target, zlab, features, block)) <= 1e-4
+
+
+def test_sharded_export_round_trips(tmp_path):
+    target = randomize(Target(parse_config(TARGET), rngs=nnx.Rngs(0)), 3)
+    export_hf(target, tmp_path / "hf", max_shard_bytes=40_000)
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ids = np.arange(1, 12)
+    np.testing.assert_array_equal(
+        np.asarray(dflash_jax.target_forward(target, ids)[0]),
+        np.asarray(dflash_jax.target_forward(dflash_jax.load_target(tmp_path / "hf"), ids)[0]),
+    )
