@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, linear layers, MLP.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, linear layers, MLP,
+attention projections and the decoder layer (both models use the same Qwen3/Llama layer).
 
 Parameters carry logical sharding axes (`nnx.with_partitioning`) so a tensor-parallel mesh can
 be attached later without touching the modules: "vocab", "embed" (model dim), "q_heads" /
@@ -132,6 +133,59 @@ def _yarn_frequencies(rope: RopeConfig, head_dim: int, inv_freq: np.ndarray):
     keep = 1 - ramp
     blended = (inv_freq / factor) * (1 - keep) + inv_freq * keep
     return blended.astype(np.float32), float(attention_factor)
+
+
+class Attention(nnx.Module):
+    """Q/K/V/O projections with optional per-head q/k RMSNorm (Qwen3) and RoPE.
+
+    It computes no attention itself: `qkv` returns rotated queries, keys and values for the
+    caller's `attend`, and `o_proj` takes the result back to the model dimension.
+    """
+
+    def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = linear(d, n * h, ("embed", "q_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
+
+    def finish_kv(self, k_TKH, v_TKH, positions_T):
+        """k_norm + RoPE on projected keys; also the drafter's fused context path."""
+        if self.qk_norm:
+            k_TKH = self.k_norm(k_TKH)
+        return apply_rope(k_TKH, positions_T, self.cfg.rope), v_TKH
+
+    def qkv(self, x_TD, positions_T):
+        """Queries, keys and values of `x_TD`, normed and rotated: ready to cache."""
+        cfg = self.cfg
+        q_TNH = self.q_proj(x_TD).reshape(-1, cfg.num_heads, cfg.head_dim)
+        k_TKH = self.k_proj(x_TD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v_TKH = self.v_proj(x_TD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.qk_norm:
+            q_TNH = self.q_norm(q_TNH)
+        return (apply_rope(q_TNH, positions_T, cfg.rope), *self.finish_kv(k_TKH, v_TKH, positions_T))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(q, k, v)`."""
+
+    def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_TD, positions_T, attend):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x_TD), positions_T)
+        a_TNH = attend(q, k, v)
+        x_TD = x_TD + self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1))
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 
 def apply_rope(x_TNH, positions_T, rope: RopeConfig):

@@ -32,6 +32,19 @@ def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
 
 
+def randomize(model, seed: int):
+    """An NNX model with every parameter (norms included) shifted by noise, so a misplaced
+    one shows; random init alone leaves norms at 1 and biases at 0."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
 def make_hf_target(kind: str = "qwen3", *, seed: int = 0, **overrides):
     """A tiny random transformers Qwen3 or Llama causal LM in float32, eval mode."""
     import transformers

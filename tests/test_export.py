@@ -1,13 +1,12 @@
 """export_hf: NNX models written as HF / z-lab folders load in transformers and dflash 0.1.0."""
 
-import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 
 import dflash_jax
-from conftest import rel_err
+from conftest import randomize, rel_err
 from convert import export_hf
 from dflash_jax.config import parse_config, to_hf_config
 from dflash_jax.models import Drafter, Target
@@ -23,15 +22,6 @@ DRAFTER = dict(
     layer_types=["sliding_attention", "full_attention"], sliding_window=6,
     num_target_layers=5, dflash_config={"mask_token_id": 79, "target_layer_ids": [1, 3], "block_size": 4},
 )
-
-
-def randomize(model, seed):
-    """Random values for every parameter, norms included."""
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
 
 
 @pytest.mark.parametrize("raw", [TARGET, DRAFTER], ids=["target", "drafter"])

@@ -1,11 +1,11 @@
 """The training forward against the inference path, and its masks against the spec's rules."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import dflash_jax
+from conftest import randomize
 from dflash_jax.config import LayerAttention, parse_config
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.forward import block_logits
@@ -20,15 +20,6 @@ DRAFTER = dict(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     num_target_layers=4, dflash_config={"mask_token_id": 63, "target_layer_ids": [1, 2], "block_size": 4},
 )
-
-
-def randomize(model, seed):
-    """Random values for every parameter, norms included, so a misplaced one shows."""
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
 
 
 def tiny_pair(**drafter_overrides):

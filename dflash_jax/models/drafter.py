@@ -16,45 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.layers import MLP, RMSNorm, apply_rope, linear
-
-
-class DrafterAttention(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = linear(d, n * h, ("embed", "q_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-
-    def finish_kv(self, k_TKH, v_TKH, positions_T):
-        """k_norm + RoPE on projected keys; shared by the block and the fused context path."""
-        return apply_rope(self.k_norm(k_TKH), positions_T, self.cfg.rope), v_TKH
-
-    def qkv(self, h_BD, positions_B):
-        cfg = self.cfg
-        q_BNH = self.q_norm(self.q_proj(h_BD).reshape(-1, cfg.num_heads, cfg.head_dim))
-        k_BKH = self.k_proj(h_BD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_BKH = self.v_proj(h_BD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        return (apply_rope(q_BNH, positions_B, cfg.rope), *self.finish_kv(k_BKH, v_BKH, positions_B))
-
-
-class DrafterLayer(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x_BD, positions_B, attend: Callable):
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x_BD), positions_B)
-        a_BNH = attend(q, k, v)
-        x_BD = x_BD + self.self_attn.o_proj(a_BNH.reshape(x_BD.shape[0], -1))
-        return x_BD + self.mlp(self.post_attention_layernorm(x_BD))
+from dflash_jax.layers import DecoderLayer, RMSNorm, linear
 
 
 class Drafter(nnx.Module):
@@ -62,7 +24,9 @@ class Drafter(nnx.Module):
         self.cfg = cfg
         self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([
+            DecoderLayer(cfg, qk_norm=True, mlp_bias=False, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)
+        ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
 
     @property

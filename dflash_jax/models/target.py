@@ -14,48 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.layers import MLP, RMSNorm, apply_rope, linear, logical
+from dflash_jax.layers import DecoderLayer, RMSNorm, linear, logical
 
 # attend(layer_idx, q_TNH, k_TKH, v_TKH) -> [T, N, H]
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-class TargetAttention(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = linear(d, n * h, ("embed", "q_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(d, k * h, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-
-    def qkv(self, x_TD, positions_T):
-        """Queries, keys and values of `x_TD`, normed (Qwen3) and rotated: ready to cache."""
-        cfg = self.cfg
-        q_TNH = self.q_proj(x_TD).reshape(-1, cfg.num_heads, cfg.head_dim)
-        k_TKH = self.k_proj(x_TD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_TKH = self.v_proj(x_TD).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        return apply_rope(q_TNH, positions_T, cfg.rope), apply_rope(k_TKH, positions_T, cfg.rope), v_TKH
-
-
-class TargetLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.self_attn = TargetAttention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x_TD, positions_T, attend: Callable):
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x_TD), positions_T)
-        a_TNH = attend(q, k, v)
-        x_TD = x_TD + self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1))
-        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 
 class Target(nnx.Module):
@@ -71,7 +33,10 @@ class Target(nnx.Module):
             embedding_init=logical(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = nnx.List([TargetLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([
+            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+            for _ in range(cfg.num_layers)
+        ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=dtype, rngs=rngs)
