@@ -44,22 +44,19 @@ def save_dataset(
 
 
 class DrafterDataset:
-    """Sequences of a saved training set, served as fixed-shape padded batches."""
+    """Sequences of one or more saved training sets (e.g. shards built on several devices),
+    served as fixed-shape padded batches."""
 
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; build it with `dflash-jax build-drafter-data`.")
-        with np.load(path) as data:
-            missing = {"token_ids", "loss_mask", "offsets"} - set(data.files)
-            if missing:
-                raise ValueError(f"{path} lacks {sorted(missing)}; it is not a drafter training set.")
-            self.token_ids = data["token_ids"].astype(np.int32)
-            self.loss_mask = data["loss_mask"].astype(bool)
-            self.offsets = data["offsets"].astype(np.int64)
-            self.meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
-        if len(self) == 0:
-            raise ValueError(f"{path} holds no sequences.")
+    def __init__(self, paths: str | Path | Sequence[str | Path]):
+        paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+        if not paths:
+            raise ValueError("no training set given; build one with `dflash-jax build-drafter-data`.")
+        parts = [_load_part(path) for path in paths]
+        self.token_ids = np.concatenate([p["token_ids"] for p in parts])
+        self.loss_mask = np.concatenate([p["loss_mask"] for p in parts])
+        starts = np.cumsum([0] + [len(p["token_ids"]) for p in parts[:-1]])
+        self.offsets = np.concatenate([[0]] + [p["offsets"][1:] + s for p, s in zip(parts, starts)])
+        self.meta = parts[0]["meta"] if len(parts) == 1 else {"parts": [p["meta"] for p in parts]}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -80,3 +77,22 @@ class DrafterDataset:
             token_ids[row, : end - start] = self.token_ids[start:end]
             loss_mask[row, : end - start] = self.loss_mask[start:end]
         return token_ids, loss_mask
+
+
+def _load_part(path: Path) -> dict[str, Any]:
+    """One saved training set as arrays, checked."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; build it with `dflash-jax build-drafter-data`.")
+    with np.load(path) as data:
+        missing = {"token_ids", "loss_mask", "offsets"} - set(data.files)
+        if missing:
+            raise ValueError(f"{path} lacks {sorted(missing)}; it is not a drafter training set.")
+        part = {
+            "token_ids": data["token_ids"].astype(np.int32),
+            "loss_mask": data["loss_mask"].astype(bool),
+            "offsets": data["offsets"].astype(np.int64),
+            "meta": json.loads(str(data["meta"])) if "meta" in data.files else {},
+        }
+    if len(part["offsets"]) < 2:
+        raise ValueError(f"{path} holds no sequences.")
+    return part

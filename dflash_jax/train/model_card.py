@@ -41,3 +41,19 @@ embedding or LM head of its own: load it next to its target.
     path = Path(export_dir) / "README.md"
     path.write_text(text)
     return path
+
+
+def append_acceptance(export_dir: str | Path, acceptance: dict[str, float], setting: str) -> Path:
+    """Add a held-out acceptance table to the card; keys look like `b16_t0.0` (block size, temperature)."""
+    rows = []
+    for key, tau in acceptance.items():
+        block, temperature = key[1:].split("_t")
+        rows.append(f"| {block} | {temperature} | {tau:.3f} |")
+    path = Path(export_dir) / "README.md"
+    with path.open("a") as card:
+        card.write(
+            f"\n## Held-out acceptance\n\nMean accepted length (tokens committed per draft-verify cycle, "
+            f"the target's bonus token included) on {setting}:\n\n| block size | temperature | mean accepted length |\n"
+            "|---|---|---|\n" + "\n".join(rows) + "\n"
+        )
+    return path

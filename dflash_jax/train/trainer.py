@@ -8,6 +8,7 @@ and because batches and anchors are keyed by step the resumed run matches an unb
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import jax
@@ -43,8 +44,13 @@ def train_drafter(
     max_length: int,
     checkpoint_every: int = 1000,
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> TrainResult:
-    """Train `drafter` against the frozen `target` for `hp.total_steps` steps (resuming)."""
+    """Train `drafter` against the frozen `target` for `hp.total_steps` steps (resuming).
+
+    With `time_budget_s`, stop after the first step that ends past the budget and checkpoint
+    there: a later call with the same work_dir carries on (`steps_done` says how far it got).
+    """
     check_drafter_fits_target(target.cfg, drafter.cfg)
     if max_length < drafter.cfg.block_size:
         raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.block_size}.")
@@ -65,6 +71,8 @@ def train_drafter(
         params, opt_state = restored["params"], restored["opt_state"]
 
     losses, accuracy = [], np.zeros(cfg.block_size - 1)
+    deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+    done = start
     bar = tqdm(range(start, hp.total_steps), initial=start, total=hp.total_steps, disable=not progress, desc="train")
     try:
         for step in bar:
@@ -77,13 +85,16 @@ def train_drafter(
                 f"acc {' '.join(f'{a:.2f}' for a in accuracy[:8])}"
             )
             done = step + 1
-            if done % checkpoint_every == 0 or done == hp.total_steps:
+            out_of_time = deadline is not None and time.monotonic() > deadline
+            if done % checkpoint_every == 0 or done == hp.total_steps or out_of_time:
                 manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            if out_of_time:
+                break
     finally:  # an interrupted run still leaves its last checkpoint complete
         manager.wait_until_finished()
         manager.close()
     trained = model_from_params(cfg, jnp.float32, params)
-    return TrainResult(trained, losses, accuracy, hp.total_steps)
+    return TrainResult(trained, losses, accuracy, done)
 
 
 def _cast(model, dtype):
