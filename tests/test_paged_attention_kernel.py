@@ -1,0 +1,288 @@
+"""The Pallas paged-attention kernel (interpret mode on CPU) against the jnp reference
+`paged_attention` and a float64 numpy oracle written per token from the definition, on
+fuzzed ragged batches (verify blocks of 1..16 rows, prefill chunks, padding tokens and
+rows), for every mask rule, GQA/MQA/MHA, bf16 and f32, pages of 16 and 32."""
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_jax.attention import paged_attention
+from dflash_jax.config import LayerAttention
+from pallas_kernels.paged_attention import (
+    TRITON_DEPRECATION,
+    paged_attention_pallas,
+    query_blocks,
+)
+
+reference = jax.jit(paged_attention,
+                    static_argnames=("page_size", "rule", "token_tile", "key_chunk"))
+
+TOLERANCE = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static sizes of one fuzzed configuration: one compile of the kernel and reference."""
+
+    rule: LayerAttention
+    dtype: str
+    page_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    num_tokens: int      # T
+    num_rows: int        # R, block-table rows
+    table_width: int
+    kernel_kwargs: tuple = ()
+
+    @property
+    def max_len(self):
+        return self.page_size * self.table_width
+
+
+# --------------------------------------------------------------------------------------
+# The oracle: one token at a time, in float64.
+# --------------------------------------------------------------------------------------
+
+def oracle(batch, cfg):
+    """out[t] = softmax over the visible keys of row q_req[t] of q.k / sqrt(H), times v."""
+    q, k, v = (np.asarray(batch[name], np.float64) for name in ("q", "k", "v"))
+    table, seq_lens, page = batch["table"], batch["seq_lens"], cfg.page_size
+    num_kv_heads, group, head_dim = cfg.num_kv_heads, cfg.group, cfg.head_dim
+    out = np.zeros(q.shape)
+    for t, (row, qp) in enumerate(zip(batch["q_req"], batch["q_pos"])):
+        key_pos = np.arange(seq_lens[row])
+        visible = np.ones(len(key_pos), bool)
+        if cfg.rule.causal:
+            visible &= key_pos <= qp
+        if cfg.rule.window is not None:
+            visible &= qp - key_pos < cfg.rule.window
+            if not cfg.rule.causal:
+                visible &= key_pos - qp < cfg.rule.window
+        if not visible.any():
+            continue  # nothing visible: zeros
+        slots = table[row, key_pos // page] * page + key_pos % page
+        slots = slots[visible]
+        for n in range(num_kv_heads * group):
+            kv = n // group
+            scores = k[slots, kv] @ q[t, n] / np.sqrt(head_dim)
+            probs = np.exp(scores - scores.max())
+            out[t, n] = probs @ v[slots, kv] / probs.sum()
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Random ragged batches.
+# --------------------------------------------------------------------------------------
+
+def random_batch(rng, cfg, *, num_reqs, prefill_share=0.3, shuffle=False):
+    """Requests with verify blocks (1..16 rows) or prefill chunks, contiguous as the runtime
+    lays them out; the rest of the T tokens are padding (row 0 at position 0, as the
+    runtime pads, or a batch row with no keys). Rows past num_reqs have seq_len 0."""
+    T, R, L = cfg.num_tokens, cfg.num_rows, cfg.max_len
+    q_req, q_pos, seq_lens = [], [], np.zeros(R, np.int32)
+    for r in range(num_reqs):
+        budget = T - len(q_req) - (num_reqs - r - 1)
+        if budget < 1:
+            break
+        if rng.random() < prefill_share:
+            n = int(rng.integers(1, min(budget, L) + 1))
+        else:
+            n = int(rng.integers(1, min(budget, 16) + 1))
+        first = int(rng.integers(0, L - n + 1))
+        # Keys up to the last query (the runtime's case), sometimes a few or many more.
+        extra = rng.choice([0, int(rng.integers(0, 4)), int(rng.integers(0, L))], p=[0.5, 0.3, 0.2])
+        seq_lens[r] = min(L, first + n + extra)
+        q_req += [r] * n
+        q_pos += range(first, first + n)
+    while len(q_req) < T:
+        if rng.random() < 0.5 or num_reqs >= R:
+            q_req.append(0)
+            q_pos.append(0)
+        else:
+            q_req.append(R - 1)  # a batch row with no keys: zeros
+            q_pos.append(int(rng.integers(0, L)))
+    q_req, q_pos = np.asarray(q_req, np.int32), np.asarray(q_pos, np.int32)
+    if shuffle:
+        order = rng.permutation(T)
+        q_req, q_pos = q_req[order], q_pos[order]
+    num_pages = 1 + R * cfg.table_width
+    table = rng.permutation(np.arange(1, num_pages)).reshape(R, cfg.table_width)
+    num_heads = cfg.num_kv_heads * cfg.group
+    dtype = jnp.dtype(cfg.dtype)
+
+    def normal(*shape):  # rounded to the input dtype, so the oracle sees what the kernel sees
+        return np.asarray(jnp.asarray(rng.normal(size=shape), dtype).astype(jnp.float32))
+
+    return dict(
+        q=normal(T, num_heads, cfg.head_dim),
+        q_pos=q_pos,
+        q_req=q_req,
+        k=normal(num_pages * cfg.page_size, cfg.num_kv_heads, cfg.head_dim),
+        v=normal(num_pages * cfg.page_size, cfg.num_kv_heads, cfg.head_dim),
+        table=table.astype(np.int32),
+        seq_lens=seq_lens,
+    )
+
+
+def run(fn, batch, cfg, **kwargs):
+    dtype = jnp.dtype(cfg.dtype)
+    out = fn(jnp.asarray(batch["q"], dtype), batch["q_pos"], batch["q_req"],
+             jnp.asarray(batch["k"], dtype), jnp.asarray(batch["v"], dtype), batch["table"],
+             batch["seq_lens"], page_size=cfg.page_size, rule=cfg.rule, **kwargs)
+    assert out.dtype == dtype
+    return np.asarray(out.astype(jnp.float32))
+
+
+def check_batch(batch, cfg, what):
+    got = run(paged_attention_pallas, batch, cfg, **dict(cfg.kernel_kwargs))
+    want_ref = run(reference, batch, cfg)
+    want = oracle(batch, cfg)
+    tol = TOLERANCE[cfg.dtype]
+    assert not np.isnan(got).any(), f"{what}: unwritten (NaN) outputs"
+    np.testing.assert_allclose(got, want, **tol, err_msg=f"{what}: kernel vs oracle")
+    np.testing.assert_allclose(got, want_ref, **tol, err_msg=f"{what}: kernel vs reference")
+    # Tokens whose row has no keys (or sees none) are exactly zero, like the reference's.
+    empty = batch["seq_lens"][batch["q_req"]] == 0
+    np.testing.assert_array_equal(got[empty], 0)
+
+
+# --------------------------------------------------------------------------------------
+# Fuzzing.
+# --------------------------------------------------------------------------------------
+
+CAUSAL, FULL = LayerAttention(True), LayerAttention(False)
+
+FUZZ = {
+    # name: (config, request counts, examples)
+    "causal_gqa4_f32_p16": (Config(CAUSAL, "float32", 16, 2, 4, 32, 64, 6, 8), (1, 3, 6), 12),
+    "causal_gqa2_bf16_p32": (Config(CAUSAL, "bfloat16", 32, 2, 2, 64, 48, 4, 4), (1, 2, 4), 10),
+    "noncausal_mqa8_bf16_p16": (Config(FULL, "bfloat16", 16, 1, 8, 16, 40, 5, 6), (1, 5), 10),
+    "window_causal_gqa3_f32_p32_split2": (
+        Config(LayerAttention(True, 20), "float32", 32, 2, 3, 32, 48, 4, 5,
+               (("kv_splits", 2),)), (1, 4), 10),
+    "window_noncausal_mha_bf16_p16_bk16": (
+        Config(LayerAttention(False, 24), "bfloat16", 16, 4, 1, 16, 40, 5, 6,
+               (("block_k", 16),)), (1, 5), 10),
+    "window5_noncausal_gqa4_f32_p16_bk16": (
+        Config(LayerAttention(False, 5), "float32", 16, 2, 4, 16, 32, 4, 6,
+               (("block_k", 16),)), (1, 4), 10),
+    "decode_rows_causal_f32_p16": (Config(CAUSAL, "float32", 16, 2, 4, 32, 8, 8, 8), (4, 8), 8),
+    "causal_f32_p16_split4_bq4": (
+        Config(CAUSAL, "float32", 16, 2, 4, 32, 48, 4, 8,
+               (("kv_splits", 4), ("block_k", 16), ("block_q", 4))), (1, 4), 8),
+}
+
+
+@pytest.mark.parametrize("name", list(FUZZ))
+def test_fuzz_kernel_reference_oracle(name):
+    cfg, request_counts, examples = FUZZ[name]
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**32 - 1), num_reqs=st.sampled_from(request_counts),
+           prefill_share=st.sampled_from([0.0, 0.3, 1.0]),
+           shuffle=st.sampled_from([False] * 4 + [True]))
+    def check(seed, num_reqs, prefill_share, shuffle):
+        batch = random_batch(np.random.default_rng(seed), cfg, num_reqs=num_reqs,
+                             prefill_share=prefill_share, shuffle=shuffle)
+        check_batch(batch, cfg, f"{name} seed={seed}")
+
+    check()
+
+
+# --------------------------------------------------------------------------------------
+# Explicit cases.
+# --------------------------------------------------------------------------------------
+
+def test_query_blocks_docstring_example():
+    blocks = query_blocks(jnp.array([0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 0, 0]), 4)
+    assert np.asarray(blocks.first).tolist() == [0, 4, 6, 7, 10] + [12] * 8
+    assert np.asarray(blocks.num_blocks).tolist() == [5]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_chunk_with_verify_rows_and_padding(dtype):
+    """A 100-token prefill chunk, then a 16-row and a 1-row verify block, then padding."""
+    cfg = Config(CAUSAL, dtype, 16, 2, 4, 32, 128, 4, 10)
+    rng = np.random.default_rng(1)
+    batch = random_batch(rng, cfg, num_reqs=0)
+    q_req = np.array([0] * 100 + [1] * 16 + [2] + [0] * 11, np.int32)
+    q_pos = np.r_[np.arange(30, 130), np.arange(140, 156), [7], [0] * 11].astype(np.int32)
+    batch.update(q_req=q_req, q_pos=q_pos, seq_lens=np.array([130, 156, 8, 0], np.int32))
+    check_batch(batch, cfg, "prefill")
+    # The same with hoisted query blocks, a smaller block_q, and key splits.
+    blocks = query_blocks(q_req, 8)
+    got = run(paged_attention_pallas, batch, cfg, block_q=8, blocks=blocks, kv_splits=2)
+    np.testing.assert_allclose(got, oracle(batch, cfg), **TOLERANCE[dtype])
+
+
+def test_rows_with_nothing_visible_are_zero():
+    """Windowed non-causal rows far past their keys, and rows of an empty batch row."""
+    cfg = Config(LayerAttention(False, 4), "float32", 16, 2, 2, 16, 16, 3, 4)
+    batch = random_batch(np.random.default_rng(2), cfg, num_reqs=0)
+    batch.update(q_req=np.array([0] * 8 + [1] * 8, np.int32),
+                 q_pos=np.r_[np.arange(50, 58), np.arange(8)].astype(np.int32),
+                 seq_lens=np.array([20, 0, 0], np.int32))
+    got = run(paged_attention_pallas, batch, cfg)
+    np.testing.assert_array_equal(got, 0)
+    np.testing.assert_array_equal(run(reference, batch, cfg), 0)
+
+
+def test_reference_knobs_are_accepted():
+    cfg = Config(CAUSAL, "float32", 16, 1, 16, 16, 16, 2, 2)
+    batch = random_batch(np.random.default_rng(3), cfg, num_reqs=2)
+    got = run(paged_attention_pallas, batch, cfg, token_tile=8, key_chunk=32)
+    np.testing.assert_allclose(got, oracle(batch, cfg), **TOLERANCE["float32"])
+
+
+def test_bad_inputs_are_value_errors():
+    q = jnp.zeros((4, 4, 12), jnp.float32)
+    kv = jnp.zeros((32, 2, 12), jnp.float32)
+    args = (jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
+    table, lens = jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        paged_attention_pallas(q, *args, kv, kv, table, lens, page_size=16, rule=CAUSAL)
+    q, kv = jnp.zeros((4, 4, 16), jnp.float32), jnp.zeros((32, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="share one of"):
+        paged_attention_pallas(q, *args, kv, kv, table, lens, page_size=16, rule=CAUSAL)
+    kv = kv.astype(jnp.float32)
+    with pytest.raises(ValueError, match="block_k must be"):
+        paged_attention_pallas(q, *args, kv, kv, table, lens, page_size=16, rule=CAUSAL,
+                               block_k=8)
+    with pytest.raises(ValueError, match="blocks were cut with block_q=16"):
+        paged_attention_pallas(q, *args, kv, kv, table, lens, page_size=16, rule=CAUSAL,
+                               block_q=8, blocks=query_blocks(args[1], 16))
+
+
+# --------------------------------------------------------------------------------------
+# GPU: the compiled (Triton) kernel against the reference at Qwen3-8B attention shapes.
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),)], ids=["splits1", "splits4"])
+@pytest.mark.parametrize("rule", [CAUSAL, FULL, LayerAttention(True, 64),
+                                  LayerAttention(False, 64)], ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_compiled_kernel_matches_reference(dtype, rule, kernel_kwargs):
+    cfg = Config(rule, dtype, 16, 8, 4, 128, 512, 16, 64, kernel_kwargs)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+        for num_reqs in (1, 5, 16):
+            batch = random_batch(rng, cfg, num_reqs=num_reqs, prefill_share=0.3)
+            got = run(functools.partial(paged_attention_pallas, interpret=False), batch, cfg,
+                      **dict(kernel_kwargs))
+            with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
+                want = run(reference, batch, cfg)
+            assert not np.isnan(got).any()
+            np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
