@@ -37,15 +37,17 @@ def test_build_data_then_train_cli(tmp_path, monkeypatch, capsys):
     ids, mask = data.batch(0, 12, 15, seed=0)
     assert mask.sum(1).tolist() == [10] * 12 and not mask[:, :5].any()
 
-    train = ["train-drafter", str(tmp_path / "target"), str(tmp_path / "data.npz"), str(tmp_path / "run"),
-             "--num-layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "4",
-             "--max-length", "16", "--max-anchors", "4"]
+    # two training sets (here the same one twice) and soft labels
+    train = ["train-drafter", str(tmp_path / "target"), str(tmp_path / "data.npz"), str(tmp_path / "data.npz"),
+             str(tmp_path / "run"), "--num-layers", "1", "--block-size", "4", "--steps", "3", "--batch-size", "4",
+             "--max-length", "16", "--max-anchors", "4", "--soft-labels", "0.5"]
     assert cli.main(train) == 2  # no tokenizer.json to pick a mask token from
     assert "--mask-token-id" in capsys.readouterr().err
     assert cli.main([*train, "--mask-token-id", "63"]) == 0
     drafter = dflash_jax.load_drafter(tmp_path / "run" / "drafter")
     assert drafter.cfg.block_size == 4 and drafter.cfg.mask_token_id == 63 and drafter.cfg.num_layers == 1
-    assert "steps: 3" in (tmp_path / "run" / "drafter" / "README.md").read_text()
+    card = (tmp_path / "run" / "drafter" / "README.md").read_text()
+    assert "steps: 3" in card and '"soft_label_weight": 0.5' in card and card.count("data.npz") == 2
     assert cli.main([*train, "--mask-token-id", "63"]) == 2  # finished runs are not overwritten
 
 

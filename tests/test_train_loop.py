@@ -88,3 +88,14 @@ def test_resume_matches_unbroken_run(tmp_path):
         lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
         drafter_params(resumed.drafter), drafter_params(unbroken.drafter),
     )
+
+
+def test_time_budget_checkpoints_and_stops(tmp_path):
+    target, drafter = tiny_pair()
+    dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    hp = Hyperparams(total_steps=5, max_anchors=8, compute_dtype="float32")
+    run = dict(batch_size=4, max_length=16, checkpoint_every=100, progress=False)
+    cut = train_drafter(target, drafter, dataset, hp, tmp_path / "run", time_budget_s=0.0, **run)
+    assert cut.steps_done == 1 and len(cut.losses) == 1  # one step, then out of time
+    rest = train_drafter(target, drafter, dataset, hp, tmp_path / "run", **run)
+    assert rest.steps_done == 5 and len(rest.losses) == 4  # resumed from the step-1 checkpoint

@@ -39,7 +39,7 @@ def add_parser(subparsers) -> None:
         "resume), drafter_config.json and, at the end, drafter/ in the z-lab DFlash-1 HF format.",
     )
     train.add_argument("target", type=Path, help="target model folder (converted orbax or HF)")
-    train.add_argument("data", type=Path, help="training set from build-drafter-data")
+    train.add_argument("data", type=Path, nargs="+", help="training set(s) from build-drafter-data")
     train.add_argument("out", type=Path, help="work folder")
     train.add_argument("--drafter", type=Path, help="start from this drafter instead of a new one")
     train.add_argument("--num-layers", type=int, default=5, help="new drafter: decoder layers")
@@ -142,6 +142,7 @@ def run_train(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every,
     )
     export_hf(result.drafter, export_dir, dtype="bfloat16")
-    write_model_card(export_dir, result, hp, dataset.meta, target=str(args.target), data=str(args.data),
+    write_model_card(export_dir, result, hp, dataset.meta, target=str(args.target),
+                     data=", ".join(str(d) for d in args.data),
                      batch_size=args.batch_size, max_length=args.max_length)
     print(f"wrote drafter ({steps} steps, last loss {result.losses[-1] if result.losses else float('nan'):.4f}) to {export_dir}")

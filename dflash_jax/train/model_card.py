@@ -20,13 +20,13 @@ tags: [dflash, speculative-decoding, drafter]
 # DFlash-1 drafter (trained with dflash-jax)
 
 A block drafter for speculative decoding (DFlash, arXiv:2602.06036) in the z-lab DFlash-1
-format: `config.json` with `dflash_config`, weights in `model.safetensors` (bf16). It has no
-embedding or LM head of its own: load it next to its target.
+format: `config.json` with `dflash_config`, weights in safetensors (bf16, sharded when large).
+It has no embedding or LM head of its own: load it next to its target.
 
 - target: `{run.get('target')}`
 - drafter: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size},
   mask token {cfg.mask_token_id}, target layers {list(cfg.target_layer_ids)}
-- data: `{run.get('data')}`
+- data{f": `{run['data']}`" if run.get('data') else ""}
 ```json
 {json.dumps(data_meta, indent=2)}
 ```
