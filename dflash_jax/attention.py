@@ -3,15 +3,21 @@
 Models project Q/K/V and hand them to an `attend` callable, so the dense path here and a paged
 runtime (K/V read from cache pages, a Pallas kernel) plug into the same layers. Masks are built
 from absolute positions, which is what both the target's causal rule and the drafter's
-per-layer rules (spec section 2) are stated in.
+per-layer rules (spec section 2) are stated in. `paged_attention_for_step` picks the paged
+implementation a step uses (`attention_impl`: the jnp reference here or the Pallas kernel in
+`pallas_kernels/paged_attention.py`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import LayerAttention
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
 
 def position_mask(q_positions_T, k_positions_S, rule: LayerAttention):
@@ -122,3 +128,31 @@ def paged_attention(
 
     out = jax.lax.map(attend_tile, (tiles(q_TNH), tiles(q_positions_T), tiles(q_req_T)))
     return out.reshape(num_tiles * token_tile, num_heads, head_dim)[:num_tokens]
+
+
+def resolve_attention_impl(impl: str) -> str:
+    """"reference" or "pallas" for an `attention_impl` setting; ValueError for anything else.
+
+    "auto" is the jnp reference everywhere for now: the Pallas kernel equals it in interpret
+    mode on CPU but has not yet run on a GPU. Once bench/bench_paged_attention.py and
+    bench/bench_decode.py have checked and timed it on the H200, "auto" should pick it there.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}.")
+    return "reference" if impl == "auto" else impl
+
+
+def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int):
+    """`paged_attention` (same arguments) as `impl` computes it, for the queries of one step.
+
+    For the Pallas kernel the query blocks, which depend only on the step's `q_req_T`, are
+    cut here once and shared by every layer of the step. `num_rows`: block-table rows;
+    `group`: query heads per kv head.
+    """
+    if resolve_attention_impl(impl) == "reference":
+        return paged_attention
+    # Imported here: the kernel module imports dflash_jax.config, whose package imports this one.
+    from pallas_kernels.paged_attention import default_block_q, paged_attention_pallas, query_blocks
+
+    block_q = default_block_q(q_req_T.shape[0], num_rows, group)
+    return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q))

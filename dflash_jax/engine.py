@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import sampling
+from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kv_cache import (
     NULL_PAGE,
@@ -170,6 +171,7 @@ class _StepShape:
     max_model_len: int
     layer_ids: tuple[int, ...]
     layout_impl: str
+    attention_impl: str
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
@@ -192,7 +194,9 @@ class Engine:
         block_size: int | None = None,
         max_model_len: int | None = None,
         layout_impl: str = "auto",
+        attention_impl: str = "auto",
     ):
+        resolve_attention_impl(attention_impl)
         if drafter is not None:
             check_drafter_fits_target(target.cfg, drafter.cfg)
             block_size = resolve_block_size(drafter.cfg, block_size)
@@ -234,6 +238,7 @@ class Engine:
             max_model_len=self.max_model_len,
             layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
             layout_impl=layout_impl,
+            attention_impl=attention_impl,
         )
         self._state = self._initial_state(num_pages)
         self._requests: dict[int, _Request] = {}
@@ -577,7 +582,8 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
             drafts_RN, mode="drop"
         )
         target_batch = dataclasses.replace(target_batch, token_ids=tokens)
-    target_cache, logits, features = target_step(target, state.target_cache, target_batch, shape.layer_ids)
+    target_cache, logits, features = target_step(target, state.target_cache, target_batch, shape.layer_ids,
+                                                  shape.attention_impl)
     logits_RQV = logits.reshape(num_rows, num_query, -1)
     if not n:
         token_R = sampling.sample_target(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p, batch.seeds,
@@ -597,7 +603,7 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
         num_sampled_R=batch.num_sampled,
         last_sampled_R=bonus_R,
         next_prefill_tokens_R=batch.next_prefill_tokens,
-        shape=DraftShape(n, shape.max_model_len, shape.layout_impl),
+        shape=DraftShape(n, shape.max_model_len, shape.layout_impl, shape.attention_impl),
     )
     next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
     new_drafts_RN, new_probs_RNV = sampling.sample_drafts(

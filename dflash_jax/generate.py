@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import sampling
+from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
@@ -55,6 +56,7 @@ class _Static:
     max_model_len: int
     layer_ids: tuple[int, ...]
     layout_impl: str
+    attention_impl: str
     page_size: int
 
 
@@ -72,12 +74,17 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     page_size: int = 16,
     layout_impl: str = "auto",
+    attention_impl: str = "auto",
 ) -> GenerateResult:
-    """DFlash speculative decoding of a static batch of prompts (token id lists)."""
+    """DFlash speculative decoding of a static batch of prompts (token id lists).
+
+    layout_impl: the DFlash layout kernel's `impl`; attention_impl: "auto", "reference" (jnp)
+    or "pallas" (the paged-attention kernel), for the target and the drafter.
+    """
     check_drafter_fits_target(target.cfg, drafter.cfg)
     block_size = resolve_block_size(drafter.cfg, block_size)
     return _run(target, drafter, prompts, block_size - 1, max_new_tokens, temperature, top_k, top_p, seed,
-                stop_token_ids, page_size, layout_impl)
+                stop_token_ids, page_size, layout_impl, attention_impl)
 
 
 def generate_autoregressive(
@@ -91,14 +98,16 @@ def generate_autoregressive(
     seed: int | Sequence[int] = 0,
     stop_token_ids: Sequence[int] | None = None,
     page_size: int = 16,
+    attention_impl: str = "auto",
 ) -> GenerateResult:
     """Plain one-token-per-step decoding with the same paged steps: the baseline."""
     return _run(target, None, prompts, 0, max_new_tokens, temperature, top_k, top_p, seed,
-                stop_token_ids, page_size, "auto")
+                stop_token_ids, page_size, "auto", attention_impl)
 
 
 def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_k, top_p, seed,
-         stop_token_ids, page_size, layout_impl) -> GenerateResult:
+         stop_token_ids, page_size, layout_impl, attention_impl) -> GenerateResult:
+    resolve_attention_impl(attention_impl)  # refuse a bad name before anything compiles
     if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token id lists.")
     prompts = [check_prompt(p, target.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -120,6 +129,7 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         max_model_len=max_model_len,
         layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
         layout_impl=layout_impl,
+        attention_impl=attention_impl,
         page_size=page_size,
     )
     prefill = _prefill_batch(prompts, block_table, page_size)
@@ -195,7 +205,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
         draft_cache, logits_RNV = draft_step(
             target, drafter, draft_cache, draft_tables, batch, features,
             num_rejected_R=num_rejected_R, num_sampled_R=jnp.ones_like(rows_R), last_sampled_R=anchor_R,
-            next_prefill_tokens_R=jnp.zeros_like(rows_R), shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl),
+            next_prefill_tokens_R=jnp.zeros_like(rows_R),
+            shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl, static.attention_impl),
         )
         return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
 
@@ -209,7 +220,7 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
         )
 
     # Prefill: the whole prompt of every request, the first token, the first drafts.
-    target_cache, logits_RV, features = target_step(target, caches[0], prefill, static.layer_ids)
+    target_cache, logits_RV, features = target_step(target, caches[0], prefill, static.layer_ids, static.attention_impl)
     prompt_lens_R = prefill.query_start_loc[1:] - prefill.query_start_loc[:-1]
     first_R = sample_rows(logits_RV, prompt_lens_R - 1)
     draft_cache = caches[1] if num_drafts else None
@@ -244,7 +255,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
             block_table=prefill.block_table,
             logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
         )
-        target_cache, logits, features = target_step(target, s["target_cache"], batch, static.layer_ids)
+        target_cache, logits, features = target_step(target, s["target_cache"], batch, static.layer_ids,
+                                                      static.attention_impl)
         committed_RQ, num_accepted_R = verify(
             logits.reshape(num_reqs, num_query, -1), s["drafts"], max_new_tokens - s["num_generated"], s["start"]
         )

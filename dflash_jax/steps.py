@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import paged_attention
+from dflash_jax.attention import paged_attention_for_step
 from dflash_jax.config import LayerAttention
 from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
 from dflash_jax.models import Drafter, Target
@@ -47,9 +47,15 @@ class TargetBatch:
     logits_rows: jax.Array  # [S] token rows whose logits are wanted
 
 
-def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...]):
-    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch."""
+def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
+                attention_impl: str = "auto"):
+    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch;
+    `attention_impl` ("auto", "reference", "pallas") picks the paged attention."""
     seq_lens_R = _seq_lens(batch)
+    paged_attention = paged_attention_for_step(
+        attention_impl, batch.rows, num_rows=batch.block_table.shape[0],
+        group=target.cfg.num_heads // target.cfg.num_kv_heads,
+    )
 
     def attend(layer, q, k, v):
         nonlocal cache
@@ -77,6 +83,7 @@ class DraftShape:
     num_drafts: int  # N: query rows per request are 1 + N
     max_model_len: int
     layout_impl: str = "auto"
+    attention_impl: str = "auto"
 
 
 def draft_step(
@@ -133,6 +140,9 @@ def draft_step(
 
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
     query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
+    paged_attention = paged_attention_for_step(
+        shape.attention_impl, query_rows, num_rows=num_rows, group=drafter.cfg.num_heads // drafter.cfg.num_kv_heads,
+    )
 
     def attend(layer, q, k, v):
         group, index = groups.group_of(layer)

@@ -96,6 +96,20 @@ DRAFTERS = {
 }
 
 
+def test_pallas_attention_equals_reference(pair):
+    """The Pallas paged-attention kernel (interpret mode on CPU) in target and drafter steps."""
+    _, _, target, drafter = pair
+    kwargs = dict(max_new_tokens=6, block_size=4)
+    reference = generate(target, drafter, PROMPTS[:2], attention_impl="reference", **kwargs)
+    pallas = generate(target, drafter, PROMPTS[:2], attention_impl="pallas", **kwargs)
+    assert pallas.token_ids == reference.token_ids
+    assert pallas.accepted_lengths == reference.accepted_lengths
+    ar = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=4, attention_impl="pallas")
+    assert ar.token_ids == [t[:4] for t in reference.token_ids]
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        generate(target, drafter, PROMPTS[:1], attention_impl="triton", **kwargs)
+
+
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_matches_zlab_reference_loop(tmp_path, kind):
     hf = biased_target(seed=3)
