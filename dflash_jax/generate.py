@@ -25,7 +25,7 @@ from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import check_prompt, check_request, next_pow2, resolve_block_size
-from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
+from dflash_jax.steps import DraftShape, TargetBatch, block_batch, draft_step, target_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,17 +244,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
 
     def cycle(s):
         offsets = jnp.arange(num_query, dtype=jnp.int32)
-        positions_RQ = s["start"][:, None] + offsets[None, :]
         block_RQ = jnp.concatenate([s["anchor"][:, None], s["drafts"][0]], axis=1)
-        batch = TargetBatch(
-            token_ids=block_RQ.reshape(-1),
-            positions=positions_RQ.reshape(-1),
-            rows=jnp.repeat(rows_R, num_query),
-            slots=slots_of(prefill.block_table[rows_R], positions_RQ, page_size).reshape(-1),
-            query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
-            block_table=prefill.block_table,
-            logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
-        )
+        batch = block_batch(block_RQ, s["start"], prefill.block_table, page_size)
         target_cache, logits, features = target_step(target, s["target_cache"], batch, static.layer_ids,
                                                       static.attention_impl)
         committed_RQ, num_accepted_R = verify(

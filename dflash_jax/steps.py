@@ -4,8 +4,10 @@
 and returns logits at the rows that need sampling plus the drafter's features at every row.
 `draft_step` turns that batch into the drafter's inputs with the layout kernel, writes the
 context K/V of all draft layers (one fused projection), runs the block and returns the draft
-logits at the sample rows. Both are pure: callers `jax.jit` them (or trace them inside a
-`lax.while_loop`) with the caches donated.
+logits at the sample rows (its three parts, `draft_layouts`, `write_context_kv` and
+`draft_block`, are exposed for benchmarks). `block_batch` builds the batch of a decode or
+verify step. All are pure: callers `jax.jit` them (or trace them inside a `lax.while_loop`)
+with the caches donated.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import jax.numpy as jnp
 
 from dflash_jax.attention import paged_attention_for_step
 from dflash_jax.config import LayerAttention
-from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
+from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
-from pallas_kernels.dflash_layout import prepare_dflash_inputs
+from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
 CAUSAL = LayerAttention(causal=True)
 
@@ -69,6 +71,23 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     return cache, target.unembed(hidden_TD[batch.logits_rows]), features_TF
 
 
+def block_batch(tokens_RQ, start_R, block_table_RM, page_size: int) -> TargetBatch:
+    """R requests of Q consecutive tokens each (a verify block, or one decode token), row r
+    at positions start_R[r] .. start_R[r] + Q - 1 through its block-table row; logits are
+    wanted at every token. E.g. Q = 3, start_R = [7, 2]: positions [7, 8, 9, 2, 3, 4]."""
+    num_reqs, num_query = tokens_RQ.shape
+    positions_RQ = start_R[:, None] + jnp.arange(num_query, dtype=jnp.int32)[None, :]
+    return TargetBatch(
+        token_ids=tokens_RQ.reshape(-1),
+        positions=positions_RQ.reshape(-1),
+        rows=jnp.repeat(jnp.arange(num_reqs, dtype=jnp.int32), num_query),
+        slots=slots_of(block_table_RM, positions_RQ, page_size).reshape(-1),
+        query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
+        block_table=block_table_RM,
+        logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
+    )
+
+
 def _seq_lens(batch: TargetBatch):
     """Keys visible to row r: every position up to its last token (causality does the rest)."""
     last = jnp.maximum(batch.query_start_loc[1:] - 1, 0)
@@ -105,12 +124,24 @@ def draft_step(
     `caches` and `block_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
     Per-request inputs are in batch-row order (the layout's request states are the batch rows).
+    Three parts, in order: `draft_layouts`, `write_context_kv`, `draft_block`.
     """
+    layouts = draft_layouts(
+        drafter, caches, block_tables, batch, num_rejected_R=num_rejected_R, num_sampled_R=num_sampled_R,
+        last_sampled_R=last_sampled_R, next_prefill_tokens_R=next_prefill_tokens_R, shape=shape,
+    )
+    caches = write_context_kv(drafter, caches, layouts, features_TF)
+    return draft_block(target, drafter, caches, block_tables, layouts, shape)
+
+
+def draft_layouts(drafter: Drafter, caches, block_tables, batch: TargetBatch, *, num_rejected_R, num_sampled_R,
+                  last_sampled_R, next_prefill_tokens_R, shape: DraftShape) -> list[DFlashLayout]:
+    """The layout kernel's query, context and sample rows for `batch`, once per cache group
+    (with that group's block table; of `caches` only the page sizes are read)."""
     num_rows = batch.block_table.shape[0]
     num_query = 1 + shape.num_drafts
-    groups = DraftCacheGroups.for_drafter(drafter.cfg)
     unused_R = jnp.zeros(num_rows, jnp.int32)  # the layout's sampling copies are not read here
-    layouts = [
+    return [
         prepare_dflash_inputs(
             batch.positions,
             batch.query_start_loc,
@@ -133,11 +164,27 @@ def draft_step(
         )
         for cache, table in zip(caches, block_tables)
     ]
+
+
+def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], features_TF) -> tuple[PagedKVCache, ...]:
+    """Context K/V of every drafter layer from the target's features (one fused projection),
+    written to each layer's group cache at the layout's context slots."""
+    groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
     for layer, (k_SKH, v_SKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions)):
         group, index = groups.group_of(layer)
         caches[group] = caches[group].write(index, layouts[group].context_slot_mapping, k_SKH, v_SKH)
+    return tuple(caches)
 
+
+def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts: list[DFlashLayout],
+                shape: DraftShape):
+    """(caches, draft logits [R, N, V] float32): the block's query rows through the drafter,
+    their K/V written to the caches, logits at the sample rows through the target's head."""
+    num_rows = block_tables[0].shape[0]
+    num_query = 1 + shape.num_drafts
+    groups = DraftCacheGroups.for_drafter(drafter.cfg)
+    caches = list(caches)
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
     query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
     paged_attention = paged_attention_for_step(
