@@ -1,9 +1,13 @@
-"""Decode speed at Qwen3-8B scale (issue 6): the autoregressive step and the DFlash cycle,
-their parts, achieved bandwidth, PyTorch anchors and projected tokens/s, in one process.
+"""Decode speed at Qwen3-8B scale (issue 6): AR step, DFlash cycle and parts, anchors.
 
-    python bench/bench_decode.py --out $OUT/decode.json --torch-anchors --quick
-    python bench/bench_decode.py --out $OUT/decode.json --points 8x1k,1x8k --attention-impl reference,pallas
-    python bench/bench_decode.py --small --torch-anchors --out /tmp/decode.json     # CPU smoke test
+The autoregressive step and the DFlash cycle, the cycle's parts, achieved bandwidth, PyTorch
+anchors and projected tokens/s, measured in one process.
+
+    python bench/bench_decode.py --quick --torch-anchors --profile --attention-impl reference,pallas \
+        --commit HASH --out $OUT/decode.json   # issue 6's target points (no .git on the device)
+    python bench/bench_decode.py --points 8x1k,1x8k,128x1k --attention-impl pallas --out $OUT/more.json
+    python bench/bench_decode.py --points 32x1k --block-sizes 16,8,4 --sections generate,steps --out ...
+    python bench/bench_decode.py --small --torch-anchors --profile --out /tmp/decode.json  # CPU smoke test
 
 Models: a Qwen3-8B-shaped target (36 layers, hidden 4096, 32 / 8 heads, head_dim 128,
 intermediate 12288, vocab 151936) and a Qwen3-8B-DFlash-b16-shaped drafter (5 layers, block
@@ -100,7 +104,7 @@ DRAFTER_SMALL = dict(DRAFTER_8B, vocab_size=1024, hidden_size=256, intermediate_
                      num_target_layers=4, dflash_config=dict(mask_token_id=1023, target_layer_ids=[1, 2],
                                                              block_size=16))
 # Issue 6's order of importance: its targets are at 1x1k and 32x1k.
-POINTS_FULL = "1x1k,32x1k,8x1k,1x8k,128x1k,8x8k,32x8k"
+POINTS_FULL = "1x1k,32x1k,8x1k,1x8k,128x1k,8x8k,32x8k,128x8k"  # 128x8k: K/V alone ~180 GB
 POINTS_QUICK = "1x1k,32x1k"
 POINTS_SMALL = "1x128,2x256"
 SECTIONS = ("generate", "steps", "engine")
@@ -816,20 +820,23 @@ def report(run):
             for kind, value in (("transformers", hf), ("z-lab", zl)):
                 if value.get("error"):
                     lines.append(f"\n{kind} at {context}: {value['error']}"[:400])
-    profile = run.get("profile")
-    if profile:
-        lines += ["", f"## Profile ({profile.get('point')}, {profile.get('attention_impl')}): per loop iteration", "",
+    profiles = run.get("profile") or []
+    if profiles:
+        lines += ["", "## Profile: per loop iteration", "",
                   "From two jax.profiler traces (an m-run and an n-run of the same compiled program): (events of "
                   "the n-run - of the m-run) / iterations apart; busy = summed kernel time. memcpy DtoH = host "
                   "syncs.", "",
-                  "| loop | device events | busy ms | memcpy | memcpy DtoH |", "|---|---|---|---|---|"]
-        for loop in ("ar", "dflash"):
-            per = (profile.get(loop) or {}).get("per_iteration") or {}
-            busy = per.get("busy_us")
-            lines.append(f"| {loop} | {fmt(per.get('device_events'), 1)} | {fmt(busy and busy / 1e3, 3)} "
-                         f"| {fmt(per.get('memcpy'), 1)} | {fmt(per.get('memcpy_dtoh'), 1)} |")
-        if profile.get("error"):
-            lines.append(f"\nProfile error: {profile['error']}")
+                  "| point | attention | loop | device events | busy ms | memcpy | memcpy DtoH |",
+                  "|---|---|---|---|---|---|---|"]
+        for profile in profiles:
+            for loop in ("ar", "dflash"):
+                per = (profile.get(loop) or {}).get("per_iteration") or {}
+                busy = per.get("busy_us")
+                lines.append(f"| {profile.get('point')} | {profile.get('attention_impl')} | {loop} "
+                             f"| {fmt(per.get('device_events'), 1)} | {fmt(busy and busy / 1e3, 3)} "
+                             f"| {fmt(per.get('memcpy'), 1)} | {fmt(per.get('memcpy_dtoh'), 1)} |")
+            if profile.get("error"):
+                lines.append(f"\nProfile error ({profile.get('attention_impl')}): {profile['error']}")
     if not run["small"]:
         lines += ["", "## Issue 6 targets", "", "| target | measured | met |", "|---|---|---|"]
         for target in targets(run):
@@ -884,7 +891,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="decode.json", help="JSON results (the markdown goes beside it, .md)")
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
-    parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer tokens and repeats")
+    parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ", ".join(SECTIONS))
@@ -894,8 +901,8 @@ def main(argv=None):
     parser.add_argument("--anchor-contexts", default=None, help="contexts of the anchors, e.g. 1k,8k "
                         "(default 1k; --small: 128)")
     parser.add_argument("--anchor-timeout-s", type=int, default=360)
-    parser.add_argument("--profile", action="store_true", help="device events per cycle from a profiler trace "
-                        "of the first point (jax.profiler)")
+    parser.add_argument("--profile", action="store_true", help="device events per loop iteration from "
+                        "jax.profiler traces of the first point, per attention impl (after the generate section)")
     parser.add_argument("--n-tokens", type=int, default=None, help="new tokens of the long runs (m = n / 2 + 1)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per measure")
     parser.add_argument("--engine-steps", type=int, default=None)
@@ -927,7 +934,7 @@ def main(argv=None):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
     small, quick = opts.small, opts.quick
-    opts.n_tokens = opts.n_tokens or (32 if small or quick else 64)
+    opts.n_tokens = opts.n_tokens or (32 if small else 64)
     opts.reps = opts.reps or (2 if small or quick else 3)
     opts.engine_steps = opts.engine_steps or (6 if small else 10 if quick else 20)
     opts.step_iters, opts.small_iters, opts.step_reps = (2, 4, 2) if small else (5, 20, 3) if quick else (8, 20, 5)
@@ -1014,6 +1021,21 @@ def main(argv=None):
             run["points"].append(result)
             work.append((result, prompts))
 
+    def profile():
+        """After the generate section: its programs at the first point are compiled already."""
+        if not (opts.profile and work) or budget.left() <= 0:
+            return
+        run["profile"] = []
+        for result, prompts in work:
+            if (result["batch"], result["context"]) != points[0]:
+                continue
+            # Traces are large: they stay in a temporary folder, only the summary is kept.
+            impl = result["attention_impl"]
+            run["profile"].append(dict(point=label(*points[0]), attention_impl=impl, **in_temp_dir(
+                "bench_decode_profile_", lambda d: profile_generate(pair, prompts, impl, opts, d))))
+            note(f"profile: {json.dumps(run['profile'][-1], default=str)[:600]}")
+            save()
+
     # Sections outermost: the headline numbers (generate) of every point before the rest.
     for section in sections:
         for result, prompts in work:
@@ -1041,15 +1063,10 @@ def main(argv=None):
             note(f"{tag} done in {time.perf_counter() - t0:.1f} s: AR {fmt(ms(result['derived']['ar_s']))} ms, "
                  f"cycle ms by block {cycles}")
             save()
-
-    if opts.profile and points and budget.left() > 0:
-        batch, context = points[0]
-        prompts = prompts_for(rng, tcfg.vocab_size, batch, context)
-        # Traces are large: they stay in a temporary folder, only the summary is kept.
-        run["profile"] = dict(point=label(batch, context), attention_impl=impls[0], **in_temp_dir(
-            "bench_decode_profile_", lambda d: profile_generate(pair, prompts, impls[0], opts, d)))
-        note(f"profile: {json.dumps(run['profile'], default=str)[:600]}")
-        save()
+        if section == "generate":
+            profile()
+    if "generate" not in sections:
+        profile()
 
     save()
     print(report(run), flush=True)
