@@ -25,7 +25,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--block-size", type=int, help="verified block: last token + drafts (default: the drafter's)")
+    parser.add_argument("--draft-block-size", type=int,
+                        help="block the drafter fills, of which --block-size - 1 drafts are verified (default: the drafter's)")
     parser.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap text prompts in the chat template (default: when the tokenizer has one)",
@@ -41,8 +43,8 @@ def run(args: argparse.Namespace) -> None:
     import dflash_jax
     from dflash_jax.tokenizer import load_tokenizer
 
-    if args.block_size is not None and args.drafter is None:
-        raise ValueError("--block-size sets the draft block; it needs --drafter.")
+    if (args.block_size is not None or args.draft_block_size is not None) and args.drafter is None:
+        raise ValueError("--block-size and --draft-block-size set the draft blocks; they need --drafter.")
     tokenizer = load_tokenizer(args.target)
     if args.prompt and tokenizer is None:
         raise ValueError(f"{args.target} has no tokenizer.json to tokenize text with; pass --prompt-ids instead.")
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.drafter:
         drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
-        decode = functools.partial(dflash_jax.generate, target, drafter, prompts, block_size=args.block_size, **sampling)
+        decode = functools.partial(dflash_jax.generate, target, drafter, prompts, block_size=args.block_size,
+                                   draft_block_size=args.draft_block_size, **sampling)
     else:
         decode = functools.partial(dflash_jax.generate_autoregressive, target, prompts, **sampling)
     if args.warmup:

@@ -40,7 +40,9 @@ from dflash_jax.kv_cache import (
     slots_of,
 )
 from dflash_jax.models import Drafter, Target
-from dflash_jax.requests import check_prompt, check_request, next_pow2, resolve_block_size
+from dflash_jax.requests import (
+    check_prompt, check_request, next_pow2, resolve_block_size, resolve_draft_block_size,
+)
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
 
 
@@ -172,6 +174,7 @@ class _StepShape:
     layer_ids: tuple[int, ...]
     layout_impl: str
     attention_impl: str
+    draft_block_size: int
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
@@ -195,13 +198,16 @@ class Engine:
         max_model_len: int | None = None,
         layout_impl: str = "auto",
         attention_impl: str = "auto",
+        draft_block_size: int | None = None,
     ):
         resolve_attention_impl(attention_impl)
         if drafter is not None:
             check_drafter_fits_target(target.cfg, drafter.cfg)
             block_size = resolve_block_size(drafter.cfg, block_size)
-        elif block_size is not None:
-            raise ValueError("block_size needs a drafter; pass one, or drop block_size for plain decoding.")
+            draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
+        elif block_size is not None or draft_block_size is not None:
+            raise ValueError("block_size and draft_block_size need a drafter; pass one, or drop them for plain decoding.")
+        self.draft_block_size = draft_block_size or 1  # the drafter's block (generate's draft_block_size)
         if num_pages is not None and kv_cache_memory_bytes is not None:
             raise ValueError("give num_pages or kv_cache_memory_bytes, not both.")
         self.num_drafts = 0 if drafter is None else block_size - 1
@@ -239,6 +245,7 @@ class Engine:
             layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
             layout_impl=layout_impl,
             attention_impl=attention_impl,
+            draft_block_size=self.draft_block_size,
         )
         self._state = self._initial_state(num_pages)
         self._requests: dict[int, _Request] = {}
@@ -354,8 +361,8 @@ class Engine:
 
     @property
     def _lookahead(self) -> int:
-        """Positions past a step's rows that the draft step writes: its 1 + N query rows."""
-        return 1 + self.num_drafts
+        """Positions past a step's rows that a step writes: the verify block or the drafter's block."""
+        return max(1 + self.num_drafts, self.draft_block_size)
 
     def _reserve(self, request: _Request, num_positions: int, protected: list[_Request]) -> bool:
         """Pages for positions < num_positions, preempting the newest unscheduled others.
@@ -603,7 +610,7 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
         num_sampled_R=batch.num_sampled,
         last_sampled_R=bonus_R,
         next_prefill_tokens_R=batch.next_prefill_tokens,
-        shape=DraftShape(n, shape.max_model_len, shape.layout_impl, shape.attention_impl),
+        shape=DraftShape(n, shape.max_model_len, shape.layout_impl, shape.attention_impl, shape.draft_block_size),
     )
     next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
     new_drafts_RN, new_probs_RNV = sampling.sample_drafts(

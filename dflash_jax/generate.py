@@ -24,7 +24,9 @@ from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
-from dflash_jax.requests import check_prompt, check_request, next_pow2, resolve_block_size
+from dflash_jax.requests import (
+    check_prompt, check_request, next_pow2, resolve_block_size, resolve_draft_block_size,
+)
 from dflash_jax.steps import DraftShape, TargetBatch, block_batch, draft_step, target_step
 
 
@@ -58,6 +60,7 @@ class _Static:
     layout_impl: str
     attention_impl: str
     page_size: int
+    draft_block_size: int  # the drafter's block (1 + its mask tokens), >= 1 + num_drafts
 
 
 def generate(
@@ -75,16 +78,22 @@ def generate(
     page_size: int = 16,
     layout_impl: str = "auto",
     attention_impl: str = "auto",
+    draft_block_size: int | None = None,
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists).
 
-    layout_impl: the DFlash layout kernel's `impl`; attention_impl: "auto", "reference" (jnp)
-    or "pallas" (the paged-attention kernel), for the target and the drafter.
+    block_size: the verified block, the last token plus block_size - 1 drafts (default: the
+    drafter's trained B). draft_block_size: the block the drafter fills in its forward (default
+    B), of which the first block_size - 1 drafts are verified; drafting the trained block keeps
+    the drafter in its training regime. draft_block_size=block_size drafts only the verified
+    block, as vLLM and z-lab do. layout_impl: the DFlash layout kernel's `impl`;
+    attention_impl: "auto", "reference" (jnp) or "pallas" (the paged-attention kernel).
     """
     check_drafter_fits_target(target.cfg, drafter.cfg)
     block_size = resolve_block_size(drafter.cfg, block_size)
+    draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
     return _run(target, drafter, prompts, block_size - 1, max_new_tokens, temperature, top_k, top_p, seed,
-                stop_token_ids, page_size, layout_impl, attention_impl)
+                stop_token_ids, page_size, layout_impl, attention_impl, draft_block_size)
 
 
 def generate_autoregressive(
@@ -102,11 +111,11 @@ def generate_autoregressive(
 ) -> GenerateResult:
     """Plain one-token-per-step decoding with the same paged steps: the baseline."""
     return _run(target, None, prompts, 0, max_new_tokens, temperature, top_k, top_p, seed,
-                stop_token_ids, page_size, "auto", attention_impl)
+                stop_token_ids, page_size, "auto", attention_impl, 1)
 
 
 def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_k, top_p, seed,
-         stop_token_ids, page_size, layout_impl, attention_impl) -> GenerateResult:
+         stop_token_ids, page_size, layout_impl, attention_impl, draft_block_size) -> GenerateResult:
     resolve_attention_impl(attention_impl)  # refuse a bad name before anything compiles
     if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token id lists.")
@@ -121,7 +130,7 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
     # Pages per request: prompt + all new tokens + one draft block beyond the last one, in
     # power-of-two buckets so that nearby lengths share a compiled program.
     capacity = next_pow2(max_new_tokens)
-    pages_per_req = -(-(next_pow2(longest) + capacity + num_drafts + 1) // page_size)
+    pages_per_req = -(-(next_pow2(longest) + capacity + max(num_drafts + 1, draft_block_size)) // page_size)
     block_table = 1 + np.arange(num_reqs * pages_per_req, dtype=np.int32).reshape(num_reqs, pages_per_req)
     static = _Static(
         num_drafts=num_drafts,
@@ -131,6 +140,7 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         layout_impl=layout_impl,
         attention_impl=attention_impl,
         page_size=page_size,
+        draft_block_size=draft_block_size,
     )
     prefill = _prefill_batch(prompts, block_table, page_size)
     sampling_R = (
@@ -206,7 +216,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
             target, drafter, draft_cache, draft_tables, batch, features,
             num_rejected_R=num_rejected_R, num_sampled_R=jnp.ones_like(rows_R), last_sampled_R=anchor_R,
             next_prefill_tokens_R=jnp.zeros_like(rows_R),
-            shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl, static.attention_impl),
+            shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl, static.attention_impl,
+                             static.draft_block_size),
         )
         return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
 

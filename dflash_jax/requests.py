@@ -29,6 +29,18 @@ def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
     return block_size
 
 
+def resolve_draft_block_size(drafter: DrafterConfig, block_size: int, draft_block_size: int | None) -> int:
+    """The drafter's own block: the trained B by default, anything in [block_size, B]."""
+    trained = drafter.block_size
+    draft_block_size = trained if draft_block_size is None else draft_block_size
+    if not block_size <= draft_block_size <= trained:
+        raise ValueError(
+            f"draft_block_size must lie in [{block_size}, {trained}] (at least the verified block_size, at most "
+            f"the trained block), got {draft_block_size}."
+        )
+    return draft_block_size
+
+
 def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
     """The prompt as int32 token ids, or ValueError: empty, not flat, or outside the vocabulary."""
     ids = np.asarray(prompt)

@@ -99,10 +99,19 @@ def _seq_lens(batch: TargetBatch):
 class DraftShape:
     """Static settings of a draft step (hashable: part of the jit cache key)."""
 
-    num_drafts: int  # N: query rows per request are 1 + N
+    num_drafts: int  # N: drafts returned per request (the verify block is 1 + N)
     max_model_len: int
     layout_impl: str = "auto"
     attention_impl: str = "auto"
+    # The drafter's own block, 1 + M query rows per request (M >= N mask tokens); its first N
+    # drafts are returned. None: 1 + N. A drafter trained with block B drafts best at B: its
+    # non-causal block then holds as many mask tokens as in training.
+    draft_block_size: int | None = None
+
+    @property
+    def num_query(self) -> int:
+        """Query rows per request in the drafter's forward."""
+        return self.draft_block_size or 1 + self.num_drafts
 
 
 def draft_step(
@@ -139,7 +148,7 @@ def draft_layouts(drafter: Drafter, caches, block_tables, batch: TargetBatch, *,
     """The layout kernel's query, context and sample rows for `batch`, once per cache group
     (with that group's block table; of `caches` only the page sizes are read)."""
     num_rows = batch.block_table.shape[0]
-    num_query = 1 + shape.num_drafts
+    num_query = shape.num_query
     unused_R = jnp.zeros(num_rows, jnp.int32)  # the layout's sampling copies are not read here
     return [
         prepare_dflash_inputs(
@@ -155,7 +164,7 @@ def draft_layouts(drafter: Drafter, caches, block_tables, batch: TargetBatch, *,
             table,
             block_size=cache.page_size,
             parallel_drafting_token_id=drafter.cfg.mask_token_id,
-            num_speculative_steps=shape.num_drafts,
+            num_speculative_steps=num_query - 1,
             max_num_reqs=num_rows,
             max_num_tokens=num_rows * num_query,
             # Pages cover a draft block past the last position: no query row needs clamping.
@@ -182,7 +191,7 @@ def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts:
     """(caches, draft logits [R, N, V] float32): the block's query rows through the drafter,
     their K/V written to the caches, logits at the sample rows through the target's head."""
     num_rows = block_tables[0].shape[0]
-    num_query = 1 + shape.num_drafts
+    num_query = shape.num_query
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
@@ -202,5 +211,7 @@ def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts:
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
     hidden_QD = drafter(block_embeds, layout.query_positions, attend)
-    logits = drafter.logits(target.unembed, hidden_QD[layout.sample_indices].astype(target.dtype))
+    hidden_RMD = hidden_QD[layout.sample_indices].reshape(num_rows, num_query - 1, -1)
+    hidden_ND = hidden_RMD[:, : shape.num_drafts].reshape(num_rows * shape.num_drafts, -1)  # unverified: no head
+    logits = drafter.logits(target.unembed, hidden_ND.astype(target.dtype))
     return tuple(caches), logits.reshape(num_rows, shape.num_drafts, -1)

@@ -163,16 +163,24 @@ def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     assert window_pool.num_free == window_pool.num_pages - 1
 
 
-def test_windowed_drafts_match_the_dense_drafter_after_eviction(models):
+@pytest.mark.parametrize("drafter_name, block_size, draft_block_size", [
+    ("sliding", None, None),  # windowed pages evicted along the way
+    ("full", 3, None),  # verify 2 drafts of the drafter's own (trained) block
+    ("full", 3, 3),  # draft only the verified block
+])
+def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_block_size):
     """After every step, the drafter's distribution q held on the device for the next block
-    equals the dense, uncached drafter over the full context: eviction loses nothing in view."""
+    equals the dense, uncached drafter over the full context, with a block of the Engine's
+    draft_block_size (its first N rows): eviction loses nothing in view, and the block size
+    the drafter runs at is the one asked for."""
     from dflash_jax import sampling
 
     target, drafters, _ = models
-    drafter = drafters["sliding"]
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference")
+    drafter = drafters[drafter_name]
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference",
+                    block_size=block_size, draft_block_size=draft_block_size)
     request_id = engine.add_request(PROMPTS[2][:30], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5))
-    checked = 0
+    checked, other_block_differs = 0, False
     while engine.has_unfinished():
         engine.step()
         request = engine._requests[request_id]
@@ -180,11 +188,20 @@ def test_windowed_drafts_match_the_dense_drafter_after_eviction(models):
             continue
         tokens = request.tokens
         _, features = dflash_jax.target_forward(target, tokens[:-1], layer_ids=drafter.cfg.target_layer_ids)
-        block = [tokens[-1]] + [drafter.cfg.mask_token_id] * engine.num_drafts
-        dense_q = sampling.processed_probs(dflash_jax.draft_logits(target, drafter, features, block), 1.0, 0, 1.0)
-        np.testing.assert_allclose(engine._state.draft_probs[request.slot], dense_q, atol=2e-5)
+
+        def dense_q(size):
+            block = [tokens[-1]] + [drafter.cfg.mask_token_id] * (size - 1)
+            logits = dflash_jax.draft_logits(target, drafter, features, block)[: engine.num_drafts]
+            return sampling.processed_probs(logits, 1.0, 0, 1.0)
+
+        expected = dense_q(engine.draft_block_size)
+        np.testing.assert_allclose(engine._state.draft_probs[request.slot], expected, atol=2e-5)
+        if engine.draft_block_size != 1 + engine.num_drafts:
+            other_block_differs |= not np.allclose(dense_q(1 + engine.num_drafts), expected, atol=1e-3)
         checked += 1
     assert checked >= 5
+    if engine.draft_block_size != 1 + engine.num_drafts:
+        assert other_block_differs  # the test can tell the two block sizes apart
 
 
 def test_tight_cache_serves_to_the_end(models):
@@ -220,7 +237,7 @@ def test_more_refusals(models):
         engine.add_request([1], SamplingParams(seed=2**31))
     with pytest.raises(ValueError, match="no request with id 7"):
         engine.output(7)
-    with pytest.raises(ValueError, match="block_size needs a drafter"):
+    with pytest.raises(ValueError, match="need a drafter"):
         Engine(target, None, block_size=4)
     with pytest.raises(ValueError, match="not both"):
         Engine(target, drafters["full"], num_pages=10, kv_cache_memory_bytes=10**6)

@@ -110,6 +110,36 @@ def test_pallas_attention_equals_reference(pair):
         generate(target, drafter, PROMPTS[:1], attention_impl="triton", **kwargs)
 
 
+def dense_replay_lengths(target, drafter, prompt, generated, block_size, draft_block_size):
+    """Per-cycle accepted lengths of greedy DFlash replayed with the dense API: each cycle drafts
+    a block of draft_block_size from the target's features before its anchor and verifies the
+    first block_size - 1 drafts against the (known) greedy text."""
+    _, features = dflash_jax.target_forward(target, list(prompt) + list(generated), layer_ids=drafter.cfg.target_layer_ids)
+    lengths, first = [], 0  # first: index in `generated` of the cycle's anchor
+    while first + 1 < len(generated):
+        block = [generated[first]] + [drafter.cfg.mask_token_id] * (draft_block_size - 1)
+        drafts = np.argmax(dflash_jax.draft_logits(target, drafter, features[: len(prompt) + first], block), -1)
+        truth = generated[first + 1 : first + block_size]
+        accepted = next((k for k, (d, t) in enumerate(zip(drafts, truth)) if d != t), len(truth))
+        lengths.append(accepted + 1)
+        first += accepted + 1
+    return lengths
+
+
+@pytest.mark.parametrize("draft_block_size", [None, 4])
+def test_draft_block_size_drafts_the_trained_block_and_verifies_fewer(pair, draft_block_size):
+    """block_size 4 with the drafter's own block of 8 (the default) or exactly the verified 4."""
+    _, _, target, drafter = pair
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=32)
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=32, block_size=4, draft_block_size=draft_block_size)
+    assert spec.token_ids == ar.token_ids
+    for prompt, tokens, lengths in zip(PROMPTS, spec.token_ids, spec.accepted_lengths):
+        replay = dense_replay_lengths(target, drafter, prompt, tokens, 4, draft_block_size or drafter.cfg.block_size)
+        assert lengths[:-2] == replay[: len(lengths) - 2]  # the last cycles are cut by max_new_tokens
+    with pytest.raises(ValueError, match=r"draft_block_size must lie in \[4, 8\]"):
+        generate(target, drafter, PROMPTS[:1], max_new_tokens=4, block_size=4, draft_block_size=3)
+
+
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_matches_zlab_reference_loop(tmp_path, kind):
     hf = biased_target(seed=3)
