@@ -7,7 +7,8 @@ for) or with --batch all at once, each after an untimed warm-up call, so the tim
 generation only, not compilation.
 
 The default block size is 4 on CPU, where verifying a block costs compute that grows with its
-size (measured best there with the shipped drafter), and the drafter's own (16) elsewhere.
+size (measured best there with the shipped drafter), and the drafter's own (16) elsewhere; the
+drafter always fills its trained block, of which block size - 1 drafts are verified.
 """
 
 from __future__ import annotations
