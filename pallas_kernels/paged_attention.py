@@ -69,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dflash_jax.attention import position_mask
 from dflash_jax.config import LayerAttention
 
 # jax 0.11 warns at every Triton-backend lowering; the kernel still compiles and runs.
@@ -171,21 +172,6 @@ def query_blocks(q_req_T, block_q: int) -> QueryBlocks:
     return QueryBlocks(first=first, num_blocks=index[-1:] + 1, block_q=block_q)
 
 
-def _visible(q_pos_M, key_pos_C, rule: LayerAttention):
-    """bool [M, C]: `dflash_jax.attention.position_mask`'s rule (not imported, so that
-    attention.py may import this module): causal k <= q; window q - k < W, and for a
-    non-causal windowed rule also k - q < W."""
-    q, k = q_pos_M[:, None], key_pos_C[None, :]
-    visible = k >= 0
-    if rule.causal:
-        visible &= k <= q
-    if rule.window is not None:
-        visible &= q - k < rule.window
-        if not rule.causal:
-            visible &= k - q < rule.window
-    return visible
-
-
 def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_ref,
             table_ref, q_ref, k_ref, v_ref, *out_refs):
     """Program (g, kv head, split): query blocks g, g + G, ... against one kv head."""
@@ -238,7 +224,7 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
             v = plgpu.load(v_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * (H ** -0.5)
-            visible = _visible(q_pos, key_pos, rule) & key_ok[None, :] & valid[:, None]
+            visible = position_mask(q_pos, key_pos, rule) & (key_pos >= 0)[None, :] & key_ok[None, :] & valid[:, None]
             scores = jnp.where(visible, scores, -jnp.inf)
             new_max = jnp.maximum(max_M, jnp.max(scores, axis=1))
             probs = jnp.exp(scores - new_max[:, None])
