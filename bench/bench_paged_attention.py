@@ -45,6 +45,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     default_block_k,
     default_block_q,
     paged_attention_pallas,
+    query_blocks,
 )
 
 # jax 0.11 warns at each Triton-backend lowering that the backend is deprecated; it works.
@@ -104,17 +105,19 @@ def attention_fn(impl, page_size, kv_splits=1):
         q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL, kv_splits=kv_splits)
 
 
-def time_fn(fn, point, reps, chain):
-    """Median seconds per call of a jitted chain of `chain` calls over the cache copies."""
+def time_fn(fn, point, reps, chain, blocks_q=None):
+    """Median seconds per call of a jitted chain of `chain` calls over the cache copies.
+    blocks_q: cut the query blocks once per chain with this block_q and pass them on."""
     copies = point["caches"]
 
     @jax.jit
     def chained(q, pos, req, caches, table, lens):
+        extra = {} if blocks_q is None else dict(blocks=query_blocks(req, blocks_q))
         out = q
         for i in range(chain):
             k, v = caches[i % len(caches)]
             q_i = lax.optimization_barrier((q, out))[0]
-            out = fn(q_i, pos, req, k, v, table, lens)
+            out = fn(q_i, pos, req, k, v, table, lens, **extra)
         return out
 
     args = (point["q"], point["q_pos"], point["q_req"], tuple(copies), point["table"],
@@ -127,6 +130,47 @@ def time_fn(fn, point, reps, chain):
         jax.block_until_ready(chained(*args))
         samples.append((time.perf_counter() - t0) / chain)
     return statistics.median(samples), min(samples), max(samples)
+
+
+SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
+SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
+    dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
+
+
+def sweep(rng, reps, chain, min_cache_bytes):
+    """Kernel settings (block_k x kv_splits x num_stages) at the decode / verify points that
+    dominate a cycle. The query blocks are cut once per chain, as the runtime cuts them once
+    per step, so each call times the kernel (and the split epilogue) alone."""
+    num_heads, num_kv_heads, head_dim, page_size = shapes(False)[:4]
+    group_pad = 1 << math.ceil(math.log2(num_heads // num_kv_heads))
+    rows_out = []
+    for batch, context, rows in SWEEP_POINTS:
+        point = make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim, page_size,
+                           min_cache_bytes)
+        block_q = max(default_block_q(batch * rows, batch, num_heads // num_kv_heads), 16 // group_pad)
+        k0, v0 = point["caches"][0]
+        inputs = (point["q"], point["q_pos"], point["q_req"], k0, v0, point["table"], point["seq_lens"])
+        want = np.asarray(jax.jit(attention_fn("reference", page_size))(*inputs).astype(jnp.float32))
+        for settings in SWEEP_SETTINGS:
+            def fn(q, pos, req, k, v, table, lens, blocks=None):
+                return paged_attention_pallas(q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL,
+                                              block_q=block_q, blocks=blocks, **settings)
+
+            def with_blocks(q, pos, req, k, v, table, lens):
+                return fn(q, pos, req, k, v, table, lens, blocks=query_blocks(req, block_q))
+
+            try:
+                got = np.asarray(jax.jit(with_blocks)(*inputs).astype(jnp.float32))
+                median, low, _ = time_fn(fn, point, reps, chain, blocks_q=block_q)
+                row = dict(batch=batch, context=context, query_rows=rows, **settings, us=1e6 * median,
+                           us_min=1e6 * low, max_abs_err=float(np.max(np.abs(got - want))))
+            except Exception as error:  # a setting Triton cannot compile: record it, go on
+                row = dict(batch=batch, context=context, query_rows=rows, **settings,
+                           error=f"{type(error).__name__}: {str(error)[:200]}")
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        del point
+    return rows_out
 
 
 def versions():
@@ -151,6 +195,8 @@ def main():
                         help="K/V cache copies cycled through add up to at least this")
     parser.add_argument("--kv-splits", default="auto",
                         help="'auto' (see the docstring), or a power of two for pallas_split")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time kernel settings at the points that dominate a cycle (GPU only)")
     args = parser.parse_args()
     small = args.small
     reps = args.reps or (3 if small else 30)
@@ -165,6 +211,15 @@ def main():
     print(json.dumps(info), flush=True)
     num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small)
     rng = np.random.default_rng(0)
+    if args.sweep:
+        rows = sweep(rng, reps, chain, min_cache_bytes)
+        with open(out_path, "w") as f:
+            json.dump(dict(versions=info, reps=reps, chain=chain, sweep=rows), f, indent=1)
+        for r in rows:
+            settings = f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']}"
+            timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
+            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<32} {timing}")
+        return 0
     results = []
     for rows in query_rows:
         for batch in batches:
