@@ -154,7 +154,10 @@ def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int):
     if resolve_attention_impl(impl) == "reference":
         return paged_attention
     # Imported here: the kernel module imports dflash_jax.config, whose package imports this one.
-    from pallas_kernels.paged_attention import default_block_q, paged_attention_pallas, query_blocks
+    from pallas_kernels.paged_attention import (default_block_q, default_kv_splits, paged_attention_pallas,
+                                                query_blocks)
 
     block_q = default_block_q(q_req_T.shape[0], num_rows, group)
-    return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q))
+    kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q)
+    return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q),
+                             kv_splits=kv_splits)

@@ -134,6 +134,19 @@ def default_block_q(num_tokens: int, num_rows: int, group: int) -> int:
     return min(max(_next_pow2(-(-num_tokens // max(1, num_rows))), low), high)
 
 
+def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """Key splits for a step of `num_tokens` queries over `num_rows` requests: enough that
+    the query blocks x splits reach ~32 per kv head (~256 programs at 8 kv heads, about two
+    per H200 SM), at most 16; 1 once the blocks fill the GPU alone (prefill, big batches).
+
+    Each program walks its chunks one dependent load after another (page id, then K/V), so
+    a few programs over long rows are latency-bound: on the H200 a batch-1 decode step at 8k
+    keys spent 150 us per layer unsplit (bench/results/2026-11-29-qwen3-8b-shape-h200.md).
+    Splits past a row's real length exit at once."""
+    blocks = min(num_tokens, -(-num_tokens // block_q) + num_rows)
+    return max(1, min(16, 32 // _next_pow2(blocks)))
+
+
 def default_block_k(block_rows: int) -> int:
     """Keys per chunk: 128 for small query blocks (decode: more bytes in flight per step),
     64 otherwise (a [M, 64] float32 score tile beside the [M, H] accumulator)."""
