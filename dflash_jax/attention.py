@@ -134,7 +134,7 @@ def resolve_attention_impl(impl: str) -> str:
     """"reference" or "pallas" for an `attention_impl` setting; ValueError for anything else.
 
     "auto" is the Pallas kernel on a GPU (checked against the reference there by the `gpu`
-    tests; 2.2x faster per decode step at Qwen3-8B scale, bench/results/) and the jnp
+    tests; 1.7x faster per decode step at Qwen3-8B scale, bench/results/) and the jnp
     reference elsewhere, where the kernel could only run in the slow interpret mode.
     """
     if impl not in ATTENTION_IMPLS:
