@@ -18,6 +18,8 @@ from dflash_jax.attention import paged_attention
 from dflash_jax.config import LayerAttention
 from pallas_kernels.paged_attention import (
     TRITON_DEPRECATION,
+    default_block_q,
+    default_kv_splits,
     paged_attention_pallas,
     query_blocks,
 )
@@ -223,6 +225,19 @@ def test_prefill_chunk_with_verify_rows_and_padding(dtype):
     blocks = query_blocks(q_req, 8)
     got = run(paged_attention_pallas, batch, cfg, block_q=8, blocks=blocks, kv_splits=2)
     np.testing.assert_allclose(got, oracle(batch, cfg), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_tokens, num_rows, want", [
+    (1, 1, 16),      # batch-1 decode: 8 programs alone would each walk every chunk
+    (16, 1, 16),     # batch-1 verify block
+    (8, 8, 4),       # batch-8 decode
+    (128, 8, 2),     # batch-8 verify
+    (32, 32, 1),     # batch-32 decode fills the GPU without splits
+    (2048, 1, 1),    # a prefill chunk
+])
+def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, want):
+    block_q = default_block_q(num_tokens, num_rows, group=4)
+    assert default_kv_splits(num_tokens, num_rows, block_q) == want
 
 
 def test_rows_with_nothing_visible_are_zero():
