@@ -28,7 +28,8 @@ generate  `generate_autoregressive` and `generate` (per --block-sizes, default 1
           attention would make the prefill too slow (B x C^2 > --generate-limit: it gathers
           every query's keys). Records programs compiled during the timed runs (want 0).
 steps     The cycle's parts, each a jitted loop of the runtime's own functions at the shapes
-          the generate loop uses, on caches filled to C positions (zeros: attention work
+          the generate loop uses (the drafter fills its trained block, as generate's default),
+          on caches filled to C positions (zeros: attention work
           follows lengths, not values), k calls per run (device time: host dispatch out of
           it; the carried cache or an optimisation barrier keeps calls in sequence):
           ar_step = `target_step` on B x 1 tokens + `sample_target`; layout = `draft_layouts`;
@@ -450,7 +451,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
 
     target, drafter = pair.target, pair.drafter
     tcfg, dcfg = target.cfg, drafter.cfg
-    width = pages_per_request(context, next_pow2(opts.n_tokens), max(opts.block_sizes) - 1)
+    width = pages_per_request(context, next_pow2(opts.n_tokens), max(*opts.block_sizes, dcfg.block_size) - 1)
     table = 1 + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
     num_pages = 1 + batch * width
     groups = DraftCacheGroups.for_drafter(dcfg)
@@ -484,7 +485,8 @@ def section_steps(pair, batch, context, impl, opts, rng):
            "dflash": {}}
     for block in opts.block_sizes:
         num_drafts = block - 1
-        shape = DraftShape(num_drafts, tcfg.max_position_embeddings, "auto", impl)
+        # As `generate` by default: the drafter fills its trained block, the first block - 1 drafts are verified.
+        shape = DraftShape(num_drafts, tcfg.max_position_embeddings, "auto", impl, dcfg.block_size)
         verify_batch = block_batch(tokens[:, :block], start_R, table, PAGE_SIZE)
         key, k1, k2, k3 = jax.random.split(key, 4)
         features = jax.random.normal(k1, (batch * block, len(dcfg.target_layer_ids) * tcfg.hidden_size),
