@@ -14,6 +14,7 @@ drafter always fills its trained block, of which block size - 1 drafts are verif
 from __future__ import annotations
 
 import argparse
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -100,14 +101,23 @@ def run(args: argparse.Namespace) -> None:
 
 
 def smollm2_target(cache_dir: Path) -> Path:
-    """CACHE/smollm2-135m, downloaded and converted on first use."""
-    target_dir = cache_dir / TARGET_DIR_NAME
-    if not target_dir.is_dir():
-        from convert.hf_to_nnx import convert_checkpoint
+    """CACHE/smollm2-135m, downloaded and converted on first use.
 
-        gguf = smollm2_gguf(cache_dir)
-        print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
-        convert_checkpoint(gguf, target_dir)
+    Under a lock on the cache folder: two processes starting on a cold cache (two notebooks,
+    a notebook and the demo) would otherwise both download and convert, and the second
+    conversion would fail on the folder the first one renamed into place."""
+    target_dir = cache_dir / TARGET_DIR_NAME
+    if target_dir.is_dir():
+        return target_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not target_dir.is_dir():  # another process may have converted it while this one waited
+            from convert.hf_to_nnx import convert_checkpoint
+
+            gguf = smollm2_gguf(cache_dir)
+            print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
+            convert_checkpoint(gguf, target_dir)
     return target_dir
 
 

