@@ -60,15 +60,16 @@ def _per_row(param, logits) -> jax.Array:
 
 # When every truncating row has 0 < top_k <= this, top-k/top-p rank only the top TOP_K_FAST
 # candidates. XLA's GPU TopK kernel covers k <= 16 (H200, 256 x 151936 f32: 0.64 ms at
-# k = 16); a larger k falls back to a full sort (2.6 ms).
+# k = 16); a larger k falls back to a full sort (2.6 ms), so other rows take
+# `_threshold_truncation_mask` instead, which needs no ranking at all.
 TOP_K_FAST = 16
 
 
 def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax.Array:
     """Tokens kept by top-k (rank < top_k) then top-p (mass before the token < top_p).
 
-    Only the `candidates` best tokens can be kept: the caller passes the vocabulary size,
-    or TOP_K_FAST when no truncating row keeps more. lax.top_k ranks ties lowest index first.
+    Only the `candidates` best tokens can be kept: the caller passes TOP_K_FAST when no
+    truncating row keeps more. lax.top_k ranks ties lowest index first.
     """
     _, order = lax.top_k(scores, candidates)
     rank = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
@@ -80,13 +81,59 @@ def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax
     return jnp.put_along_axis(jnp.zeros(scores.shape, bool), order, keep_sorted, axis=-1, inplace=False)
 
 
+def _order_keys(scores) -> jax.Array:
+    """uint32 keys in the order of the float32 scores (-0.0 taken as 0.0)."""
+    bits = lax.bitcast_convert_type(scores + 0.0, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key(predicate, shape) -> jax.Array:
+    """Per row, the largest uint32 t with predicate(t) true, for a predicate true at 0 and
+    false above some point: set the bits from the top, keeping each that leaves it true."""
+    t = jnp.zeros(shape, jnp.uint32)
+    for bit in range(31, -1, -1):  # unrolled: an XLA while loop would sync the host per trip
+        candidate = t | jnp.uint32(1 << bit)
+        t = jnp.where(predicate(candidate[..., None]), candidate, t)
+    return t
+
+
+def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
+    """The same tokens as `_truncation_mask(..., vocab)`, found by thresholds instead of a
+    sort of the vocabulary: 64 masked reductions over it (two 32-step bisections on the
+    scores' bits), which on a GPU cost a fraction of the full sort.
+
+    Top-k: the k-th largest score key, then ties at it by lowest index. Top-p: the smallest
+    key v whose strictly-larger kept tokens hold mass < top_p; tokens above v are kept, and
+    tokens at v while the mass before them (larger ones, then lower-index ties) is < top_p.
+    """
+    keys = _order_keys(scores)
+    row_shape = scores.shape[:-1]
+    kth = _largest_key(lambda t: jnp.sum(keys >= t, axis=-1) >= top_k, row_shape)[..., None]
+    tied = keys == kth
+    room = top_k - jnp.sum(keys > kth, axis=-1)
+    in_k = (keys > kth) | (tied & (_exclusive_cumsum(tied.astype(jnp.int32)) < room[..., None]))
+
+    mass = jnp.where(in_k, probs, 0.0)
+    mass = mass / mass.sum(-1, keepdims=True)
+    below = _largest_key(lambda t: jnp.sum(jnp.where(keys > t, mass, 0.0), axis=-1) >= top_p, row_shape)
+    last = jnp.min(jnp.where(in_k & (keys > below[..., None]), keys, jnp.uint32(0xFFFFFFFF)), axis=-1)[..., None]
+    at_last = in_k & (keys == last)
+    mass_above = jnp.sum(jnp.where(keys > last, mass, 0.0), axis=-1, keepdims=True)
+    keep_p = (in_k & (keys > last)) | (at_last & (mass_above + _exclusive_cumsum(jnp.where(at_last, mass, 0.0)) < top_p[..., None]))
+    return in_k & (keep_p | ~use_p[..., None])
+
+
+def _exclusive_cumsum(x) -> jax.Array:
+    return jnp.cumsum(x, axis=-1) - x
+
+
 def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     """The target's (or drafter's) sampling distribution, float32, same shape as `logits`.
 
     logits [R, V] or [R, S, V]; temperature, top_k, top_p [R] (broadcast over S) or the
     full leading shape. Greedy rows give a one-hot at argmax. The ranking behind
     top-k/top-p runs only when some row uses them, over TOP_K_FAST candidates when that
-    suffices; a row's result is the same on every path (up to float summation order inside
+    suffices (else by thresholds, without a sort); a row's result is the same on every path (up to float summation order inside
     the top-p mass), so it does not depend on the batch.
     """
     logits = jnp.asarray(logits)
@@ -103,7 +150,8 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     fast = min(TOP_K_FAST, vocab)
     keep = lax.cond(
         jnp.any(truncate),
-        lambda: lax.cond(jnp.all(~truncate | (top_k <= fast)), lambda: mask(fast), lambda: mask(vocab)),
+        lambda: lax.cond(jnp.all(~truncate | (top_k <= fast)), lambda: mask(fast),
+                         lambda: _threshold_truncation_mask(scores, probs, top_k, top_p, use_p)),
         lambda: jnp.ones(logits.shape, bool),
     )
     kept = jnp.where(keep, probs, 0.0)

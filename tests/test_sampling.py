@@ -67,6 +67,21 @@ def test_processed_probs_matches_reference(vocab, top_ks):
     np.testing.assert_array_equal(ours > 0, ref > 0)
 
 
+def test_threshold_path_breaks_ties_like_a_stable_sort():
+    """Many exactly tied scores (small integer logits): top-k beyond TOP_K_FAST and top-p
+    take the threshold path, whose boundary ties must go to the lowest indices."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 96, 97
+    logits = rng.integers(0, 4, (rows, vocab)).astype(np.float32)
+    temperature = rng.choice([0.5, 1.0, 2.0], rows).astype(np.float32)
+    top_k = rng.choice([0, 17, 30, 60, 96], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.1, 0.37, 0.8, 0.99], rows).astype(np.float32)
+    ours = np.asarray(processed_probs(logits, temperature, top_k, top_p))
+    ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
+    np.testing.assert_array_equal(ours > 0, ref > 0)
+    np.testing.assert_allclose(ours, ref, atol=2e-6)
+
+
 def test_processed_probs_matches_zlab():
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
