@@ -578,7 +578,8 @@ def _step_program(graphs, params_tree, shape: _StepShape):
 
     Parameters travel as a flat list of arrays. With the graph definitions and the nnx
     State as jit arguments, each `step()` hashed the graph and flattened the State in
-    Python: ~1.2 ms per step for a 2-layer model, growing with the layer count."""
+    Python: dispatching a 36-layer model's step took 5.9 ms on a 2-core CPU host, 1.5 ms
+    this way."""
 
     def step(param_leaves, state, batch):
         return _engine_step(graphs, jax.tree.unflatten(params_tree, param_leaves), state, batch, shape=shape)
