@@ -178,6 +178,11 @@ FUZZ = {
         Config(LayerAttention(False, 5), "float32", 16, 2, 4, 16, 32, 4, 6,
                (("block_k", 16),)), (1, 4), 10),
     "decode_rows_causal_f32_p16": (Config(CAUSAL, "float32", 16, 2, 4, 32, 8, 8, 8), (4, 8), 8),
+    # the drafter's rows: non-causal, full and windowed, with the splits the runtime picks at batch 1
+    "noncausal_gqa2_f32_p16_split16": (
+        Config(FULL, "float32", 16, 2, 2, 32, 48, 4, 6, (("kv_splits", 16), ("block_k", 16))), (1, 2), 6),
+    "window_noncausal_gqa2_bf16_p16_split8": (
+        Config(LayerAttention(False, 12), "bfloat16", 16, 2, 2, 32, 48, 4, 6, (("kv_splits", 8),)), (1, 2), 6),
     "causal_f32_p16_split4_bq4": (
         Config(CAUSAL, "float32", 16, 2, 4, 32, 48, 4, 8,
                (("kv_splits", 4), ("block_k", 16), ("block_q", 4))), (1, 4), 8),
