@@ -413,9 +413,12 @@ def section_engine(pair, prompts, impl, opts):
 
     batch, context = len(prompts), len(prompts[0])
     steps, warm = opts.engine_steps, 2
-    max_new = steps + warm + 2
-    engine = Engine(pair.target, None, max_num_reqs=next_pow2(batch),
-                    max_num_tokens=max(next_pow2(batch), min(next_pow2(batch * context), 8192)),
+    budget = max(next_pow2(batch), min(next_pow2(batch * context), 8192))
+    # Requests whose prefill ends early decode during the later prefill steps: room for those
+    # extra tokens, so that no request finishes (shrinking the batch into a new bucket, which
+    # would compile) inside the timed steps.
+    max_new = steps + warm + 2 + -(-batch * context // budget)
+    engine = Engine(pair.target, None, max_num_reqs=next_pow2(batch), max_num_tokens=budget,
                     max_model_len=context + max_new + PAGE_SIZE, attention_impl=impl)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     t0 = time.perf_counter()
