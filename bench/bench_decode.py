@@ -540,7 +540,8 @@ def section_steps(pair, batch, context, impl, opts, rng):
 
 def profile_generate(pair, prompts, impl, opts, log_dir):
     """Device events per DFlash cycle and per AR step from two jax.profiler traces (an m-run
-    and an n-run of the compiled program): (events(n) - events(m)) / (iterations apart)."""
+    and an n-run of the compiled program): (events(n) - events(m)) / (iterations apart), in
+    all and per op (calls and busy us, the 25 busiest), so prefill and compile-time work cancel."""
     import jax
 
     from dflash_jax.generate import generate, generate_autoregressive
@@ -564,22 +565,26 @@ def profile_generate(pair, prompts, impl, opts, log_dir):
             counts.append((iterations, count_trace_events(folder)))
         (i0, c0), (i1, c1) = counts
         per = {k: (c1[k] - c0[k]) / max(i1 - i0, 1) for k in ("device_events", "busy_us", "memcpy", "memcpy_dtoh")}
+        apart = max(i1 - i0, 1)
+        ops = {op: ((calls - c0["ops"].get(op, (0, 0.0))[0]) / apart, (us - c0["ops"].get(op, (0, 0.0))[1]) / apart)
+               for op, (calls, us) in c1["ops"].items()}
+        top = sorted(ops.items(), key=lambda item: -item[1][1])[:25]
         out[name] = dict(per_iteration=per, iterations=[i0, i1], events_per_line_long_run=c1["lines"],
-                         top_device_ops_long_run=c1["top"])
+                         ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top])
     return out
 
 
 def count_trace_events(folder):
     """Device-side event counts in the perfetto trace under `folder`: kernels on the GPU's
     stream lines (derived lines such as "XLA Ops" repeat them and are left out), memcpys
-    (device to host ones are host syncs), events per line, and the busiest op names."""
+    (device to host ones are host syncs), events per line, and calls and busy time per op name."""
     import glob
     import gzip
     from collections import Counter
 
     paths = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
-        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, top=[])
+        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={})
     with gzip.open(sorted(paths)[-1], "rt") as f:
         trace = json.load(f)
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
@@ -594,12 +599,12 @@ def count_trace_events(folder):
     device = [e for e in spans if not streams or (e["pid"], e.get("tid")) in streams]
     memcpy = [e for e in device if "memcpy" in e.get("name", "").lower()]
     dtoh = [e for e in memcpy if any(s in e["name"].lower() for s in ("dtoh", "d2h", "devicetohost"))]
-    busiest = Counter()
+    busy, calls = Counter(), Counter()
     for e in device:
-        busiest[e.get("name", "?")[:60]] += float(e.get("dur", 0))
-    return dict(device_events=len(device), busy_us=sum(busiest.values()), memcpy=len(memcpy), memcpy_dtoh=len(dtoh),
-                lines=dict(lines),
-                top=[(name, round(us, 1)) for name, us in busiest.most_common(12)])
+        busy[e.get("name", "?")[:60]] += float(e.get("dur", 0))
+        calls[e.get("name", "?")[:60]] += 1
+    return dict(device_events=len(device), busy_us=sum(busy.values()), memcpy=len(memcpy), memcpy_dtoh=len(dtoh),
+                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()})
 
 
 # ---- PyTorch anchors ----------------------------------------------------------------------------
