@@ -66,10 +66,15 @@ ACTIVITIES = (
 )
 
 
+def template_requests() -> list[str]:
+    """Every template with every topic or activity (1690 requests)."""
+    return [t.format(x) for t in TOPIC_TEMPLATES for x in TOPICS] + [
+        t.format(x) for t in ACTIVITY_TEMPLATES for x in ACTIVITIES]
+
+
 def everyday_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
     """`count` distinct everyday chat requests (template x topic), in a random order."""
-    requests = [t.format(x) for t in TOPIC_TEMPLATES for x in TOPICS]
-    requests += [t.format(x) for t in ACTIVITY_TEMPLATES for x in ACTIVITIES]
+    requests = template_requests()
     if count > len(requests):
         raise ValueError(f"asked for {count} everyday prompts; there are {len(requests)} distinct ones.")
     picks = np.random.default_rng(seed).choice(len(requests), size=count, replace=False)

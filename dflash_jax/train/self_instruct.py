@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from dflash_jax.models import Target
-from dflash_jax.train.prompts import ACTIVITIES, ACTIVITY_TEMPLATES, TOPIC_TEMPLATES, TOPICS
+from dflash_jax.train.prompts import ACTIVITIES, TOPICS, template_requests
 
 EXTRA_SUBJECTS = (
     "cooking", "travel", "health", "history", "science", "writing", "work", "school", "sports", "nature",
@@ -52,8 +52,7 @@ def self_instruct_prompts(
     `max_rounds` rounds do not give `count` (a target too small to continue a list)."""
     from dflash_jax import generate_autoregressive  # looked up per call: tests stand a fake in
 
-    examples = [t.format(x) for t in TOPIC_TEMPLATES for x in TOPICS] + [
-        t.format(x) for t in ACTIVITY_TEMPLATES for x in ACTIVITIES]
+    examples = template_requests()
     subjects = TOPICS + ACTIVITIES + EXTRA_SUBJECTS
     rng = np.random.default_rng(seed)
     seen = {_key(text) for text in (*exclude, *examples)}
