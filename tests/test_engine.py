@@ -108,6 +108,11 @@ def test_no_compilation_after_precompile(models):
     assert Engine.num_traces() == traces
     assert generated > 100  # the engine did serve requests meanwhile
 
+    # Another engine of the same models and shape runs the programs already compiled.
+    again = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    run(again, PROMPTS, SamplingParams(max_new_tokens=8))
+    assert Engine.num_traces() == traces
+
 
 @pytest.mark.parametrize(
     "prompt, params, message",
