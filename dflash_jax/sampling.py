@@ -90,11 +90,15 @@ def _order_keys(scores) -> jax.Array:
 def _largest_key(predicate, shape) -> jax.Array:
     """Per row, the largest uint32 t with predicate(t) true, for a predicate true at 0 and
     false above some point: set the bits from the top, keeping each that leaves it true."""
-    t = jnp.zeros(shape, jnp.uint32)
-    for bit in range(31, -1, -1):  # unrolled: an XLA while loop would sync the host per trip
-        candidate = t | jnp.uint32(1 << bit)
-        t = jnp.where(predicate(candidate[..., None]), candidate, t)
-    return t
+
+    def set_bit(i, t):
+        candidate = t | lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(predicate(candidate[..., None]), candidate, t)
+
+    # A loop, not 32 unrolled steps: the unrolled form multiplied the compiled code of every
+    # program that samples (the CPU test suite crashed on its memory maps). Whether XLA's GPU
+    # backend reads a predicate back per trip is for bench/bench_sampling.py's profile to show.
+    return lax.fori_loop(0, 32, set_bit, jnp.zeros(shape, jnp.uint32))
 
 
 def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
