@@ -17,9 +17,8 @@ Floor: the bytes a call must move (each visible key and value read once, queries
 outputs written once) over the device copy rate measured on the H200 (4.24 TB/s, see
 shared/ENVIRONMENT.md); ``GB/s`` is those bytes over the measured time.
 
-``pallas_split`` runs the kernel with key splits (flash-decoding) when the batch is too
-small to fill the GPU: kv_splits = clamp(next_pow2(2 * 132 SMs / (batch * 8 kv heads)),
-1, 16), at most one split per 2 key chunks.
+``pallas_split`` runs the kernel with the key splits (flash-decoding) that the runtime picks
+for the step (`default_kv_splits`), where that is more than one.
 """
 
 import argparse
@@ -44,6 +43,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     TRITON_DEPRECATION,
     default_block_k,
     default_block_q,
+    default_kv_splits,
     paged_attention_pallas,
     query_blocks,
 )
@@ -52,7 +52,6 @@ from pallas_kernels.paged_attention import (  # noqa: E402
 warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 COPY_BYTES_PER_S = 4.24e12   # H200 device copy, read + write counted (ENVIRONMENT.md)
-NUM_SMS = 132
 CAUSAL = LayerAttention(True)
 
 
@@ -61,13 +60,6 @@ def shapes(small):
     if small:
         return 4, 2, 32, 16, (1, 2), (64, 128), (1, 4)
     return 32, 8, 128, 16, (1, 8, 32), (1024, 8192), (1, 16)
-
-
-def auto_kv_splits(batch, num_kv_heads, context, block_k):
-    splits = 1 << max(0, math.ceil(math.log2(max(1, 2 * NUM_SMS / (batch * num_kv_heads)))))
-    max_by_context = max(1, context // (2 * block_k))
-    splits = min(splits, 16, 1 << int(math.log2(max_by_context)))
-    return max(1, splits)
 
 
 def make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim, page_size,
@@ -194,7 +186,7 @@ def main():
     parser.add_argument("--min-cache-mb", type=float, default=None,
                         help="K/V cache copies cycled through add up to at least this")
     parser.add_argument("--kv-splits", default="auto",
-                        help="'auto' (see the docstring), or a power of two for pallas_split")
+                        help="'auto' (the runtime's default_kv_splits), or a power of two for pallas_split")
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings at the points that dominate a cycle (GPU only)")
     args = parser.parse_args()
@@ -235,7 +227,7 @@ def main():
                 elif small:
                     splits = 2  # the smoke test runs the split path too
                 else:
-                    splits = auto_kv_splits(batch, num_kv_heads, context, block_k)
+                    splits = default_kv_splits(batch * rows, batch, block_q)
                 impls = {"reference": attention_fn("reference", page_size),
                          "pallas": attention_fn("pallas", page_size)}
                 if splits > 1:

@@ -361,8 +361,9 @@ class Engine:
 
     @property
     def _lookahead(self) -> int:
-        """Positions past a step's rows that a step writes: the verify block or the drafter's block."""
-        return max(1 + self.num_drafts, self.draft_block_size)
+        """Positions past a step's rows that a step writes: the drafter's block (at least the
+        verify block; 1 without a drafter)."""
+        return self.draft_block_size
 
     def _reserve(self, request: _Request, num_positions: int, protected: list[_Request]) -> bool:
         """Pages for positions < num_positions, preempting the newest unscheduled others.

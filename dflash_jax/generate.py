@@ -127,10 +127,11 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
     num_reqs = len(prompts)
     seeds = np.broadcast_to(np.asarray(seed), (num_reqs,)).astype(np.int32)
     stops = np.asarray(sorted(set(stop_token_ids or ())) or [-1], np.int32)
-    # Pages per request: prompt + all new tokens + one draft block beyond the last one, in
-    # power-of-two buckets so that nearby lengths share a compiled program.
+    # Pages per request: prompt + all new tokens + one drafter block (which covers the verify
+    # block) beyond the last one, in power-of-two buckets so that nearby lengths share a
+    # compiled program.
     capacity = next_pow2(max_new_tokens)
-    pages_per_req = -(-(next_pow2(longest) + capacity + max(num_drafts + 1, draft_block_size)) // page_size)
+    pages_per_req = -(-(next_pow2(longest) + capacity + draft_block_size) // page_size)
     block_table = 1 + np.arange(num_reqs * pages_per_req, dtype=np.int32).reshape(num_reqs, pages_per_req)
     static = _Static(
         num_drafts=num_drafts,

@@ -134,6 +134,12 @@ def default_block_q(num_tokens: int, num_rows: int, group: int) -> int:
     return min(max(_next_pow2(-(-num_tokens // max(1, num_rows))), low), high)
 
 
+def max_query_blocks(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """The most query blocks `num_tokens` tokens of `num_rows` requests cut into: one per
+    block_q tokens, plus one per request start (see `query_blocks`)."""
+    return min(num_tokens, -(-num_tokens // block_q) + num_rows)
+
+
 def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
     """Key splits for a step of `num_tokens` queries over `num_rows` requests: enough that
     the query blocks x splits reach ~32 per kv head (~256 programs at 8 kv heads, about two
@@ -143,8 +149,7 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
     a few programs over long rows are latency-bound: on the H200 a batch-1 decode step at 8k
     keys spent 150 us per layer unsplit (bench/results/2026-11-29-qwen3-8b-shape-h200.md).
     Splits past a row's real length exit at once."""
-    blocks = min(num_tokens, -(-num_tokens // block_q) + num_rows)
-    return max(1, min(16, 32 // _next_pow2(blocks)))
+    return max(1, min(16, 32 // _next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
 
 
 def default_block_k(block_rows: int) -> int:
@@ -364,7 +369,7 @@ def paged_attention_pallas(
     cfg = _Config(
         num_tokens=T, num_heads=N, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
-        block_k=0, kv_splits=kv_splits, num_programs=min(T, -(-T // block_q) + R + 1),
+        block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
         f32=q_TNH.dtype == jnp.float32)
     cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
     if blocks is None:
