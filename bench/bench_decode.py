@@ -570,7 +570,8 @@ def profile_generate(pair, prompts, impl, opts, log_dir):
                for op, (calls, us) in c1["ops"].items()}
         top = sorted(ops.items(), key=lambda item: -item[1][1])[:25]
         out[name] = dict(per_iteration=per, iterations=[i0, i1], events_per_line_long_run=c1["lines"],
-                         ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top])
+                         ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top],
+                         op_details={op: c1["details"].get(op, "") for op, _ in top})
     return out
 
 
@@ -584,7 +585,7 @@ def count_trace_events(folder):
 
     paths = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
-        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={})
+        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={}, details={})
     with gzip.open(sorted(paths)[-1], "rt") as f:
         trace = json.load(f)
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
@@ -603,8 +604,13 @@ def count_trace_events(folder):
     for e in device:
         busy[e.get("name", "?")[:60]] += float(e.get("dur", 0))
         calls[e.get("name", "?")[:60]] += 1
+    details = {}  # per op, the longest args any line gives it (HLO text, kernel launch shape)
+    for e in spans:
+        name, args = e.get("name", "?")[:60], json.dumps(e.get("args", {}), default=str)[:600]
+        if name in busy and len(args) > len(details.get(name, "")):
+            details[name] = args
     return dict(device_events=len(device), busy_us=sum(busy.values()), memcpy=len(memcpy), memcpy_dtoh=len(dtoh),
-                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()})
+                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()}, details=details)
 
 
 # ---- PyTorch anchors ----------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 
 For R rows of V = 151936 (Qwen3) random logits at temperature 0.7, times `processed_probs`
 with every row at top-p 0.9, at top-k 50, and at top-k 16 (the TopK fast path), and the
-masks alone: `_threshold_truncation_mask` against the full-sort `_truncation_mask(...,
-vocab)` that it replaced (which also checks that both keep the same tokens). Medians of
+masks alone: `_threshold_truncation_mask` at 1, 2, 4 and 8 threshold bits per pass
+against the full-sort `_truncation_mask(..., vocab)` (which also checks that both keep the
+same tokens). Medians of
 --reps runs of a jitted chain of --chain calls, per call.
 """
 
@@ -69,20 +70,28 @@ def main():
         # The masks alone, at top-k 50 and top-p 0.9 together.
         scores = logits / 0.7
         k, p, use_p = jnp.full((rows,), 50, jnp.int32), jnp.full((rows,), 0.9, jnp.float32), jnp.ones((rows,), bool)
-        threshold = jax.jit(lambda s: sampling._threshold_truncation_mask(s, jax.nn.softmax(s, -1), k, p, use_p))
         full_sort = jax.jit(lambda s: sampling._truncation_mask(s, jax.nn.softmax(s, -1), k, p, use_p, vocab))
-        row["same_tokens_kept"] = bool(np.array_equal(threshold(scores), full_sort(scores)))
-        row["threshold_mask_us"] = 1e6 * time_chain(threshold, scores, args.reps, args.chain)
         row["full_sort_mask_us"] = 1e6 * time_chain(full_sort, scores, args.reps, args.chain)
+        runtime_bits = sampling.THRESHOLD_DIGIT_BITS
+        row["same_tokens_kept"] = True
+        for bits in (1, 2, 4, 8):  # bits per pass; traced under each setting, then restored
+            sampling.THRESHOLD_DIGIT_BITS = bits
+            threshold = jax.jit(lambda s: sampling._threshold_truncation_mask(s, jax.nn.softmax(s, -1), k, p, use_p))
+            row["same_tokens_kept"] &= bool(np.array_equal(threshold(scores), full_sort(scores)))
+            row[f"threshold_mask_{bits}bit_us"] = 1e6 * time_chain(threshold, scores, args.reps, args.chain)
+        sampling.THRESHOLD_DIGIT_BITS = runtime_bits
+        row["threshold_mask_us"] = row[f"threshold_mask_{runtime_bits}bit_us"]
         results.append(row)
         print(json.dumps(row), flush=True)
     info = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
     with open(args.out, "w") as f:
         json.dump(dict(versions=info, reps=args.reps, chain=args.chain, results=results), f, indent=1)
-    print(f"\n{'R':>4} {'top-p us':>9} {'top-k50 us':>10} {'top-k16 us':>10} {'mask thr us':>11} {'mask sort us':>12} same")
+    print(f"\n{'R':>4} {'top-p us':>9} {'top-k50 us':>10} {'top-k16 us':>10} {'mask us by bits/pass 1/2/4/8':>29} "
+          f"{'mask sort us':>12} same")
     for r in results:
+        by_bits = "/".join(f"{r[f'threshold_mask_{bits}bit_us']:.0f}" for bits in (1, 2, 4, 8))
         print(f"{r['rows']:>4} {r['processed_probs_top_p_0.9_us']:9.0f} {r['processed_probs_top_k_50_us']:10.0f} "
-              f"{r['processed_probs_top_k_16_us']:10.0f} {r['threshold_mask_us']:11.0f} {r['full_sort_mask_us']:12.0f} "
+              f"{r['processed_probs_top_k_16_us']:10.0f} {by_bits:>29} {r['full_sort_mask_us']:12.0f} "
               f"{r['same_tokens_kept']}")
     return 0 if all(r["same_tokens_kept"] for r in results) else 1
 

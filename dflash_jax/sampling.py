@@ -71,7 +71,7 @@ def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax
     Only the `candidates` best tokens can be kept: the caller passes TOP_K_FAST when no
     truncating row keeps more. lax.top_k ranks ties lowest index first.
     """
-    _, order = lax.top_k(scores, candidates)
+    _, order = lax.top_k(_signless_zeros(scores), candidates)
     rank = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
     in_k_sorted = rank < top_k[..., None]
     sorted_probs = jnp.where(in_k_sorted, jnp.take_along_axis(probs, order, axis=-1), 0.0)
@@ -81,30 +81,48 @@ def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax
     return jnp.put_along_axis(jnp.zeros(scores.shape, bool), order, keep_sorted, axis=-1, inplace=False)
 
 
+def _signless_zeros(scores) -> jax.Array:
+    """scores with -0.0 as 0.0, so the two tie by index as they compare equal (XLA may fold
+    away the plain `scores + 0.0`)."""
+    return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
+
+
 def _order_keys(scores) -> jax.Array:
     """uint32 keys in the order of the float32 scores (-0.0 taken as 0.0)."""
-    bits = lax.bitcast_convert_type(scores + 0.0, jnp.uint32)
+    bits = lax.bitcast_convert_type(_signless_zeros(scores), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+# Bits of a threshold `_largest_key` settles per pass: each pass counts 2**bits - 1 candidate
+# thresholds in one sweep of the vocabulary, so a 32-bit key takes 32 / bits passes. On the
+# H200 (jax 0.11.2, R = 8 x 151936) one bit per pass (64 passes for top-k and top-p) took
+# 1.37 ms against the full sort's 0.47 ms: the passes' count, not the sweeps, set the time.
+THRESHOLD_DIGIT_BITS = 4
 
 
 def _largest_key(predicate, shape) -> jax.Array:
     """Per row, the largest uint32 t with predicate(t) true, for a predicate true at 0 and
-    false above some point: set the bits from the top, keeping each that leaves it true."""
+    false above some point. predicate maps candidate thresholds [*shape, C] to bools of that
+    shape. Digits are set from the top: the next digit is the number of its nonzero values
+    whose candidate keeps the predicate true."""
+    bits = THRESHOLD_DIGIT_BITS
+    digits = jnp.arange(1, 2**bits, dtype=jnp.uint32)
 
-    def set_bit(i, t):
-        candidate = t | lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-        return jnp.where(predicate(candidate[..., None]), candidate, t)
+    def set_digit(i, t):
+        shift = (32 - bits * (i + 1)).astype(jnp.uint32)
+        candidates = t[..., None] | lax.shift_left(digits, shift)
+        digit = jnp.sum(predicate(candidates), axis=-1, dtype=jnp.uint32)
+        return t | lax.shift_left(digit, shift)
 
-    # A loop, not 32 unrolled steps: the unrolled form multiplied the compiled code of every
-    # program that samples (the CPU test suite crashed on its memory maps). Whether XLA's GPU
-    # backend reads a predicate back per trip is for bench/bench_sampling.py's profile to show.
-    return lax.fori_loop(0, 32, set_bit, jnp.zeros(shape, jnp.uint32))
+    # A loop, not unrolled: unrolled passes multiplied the compiled code of every program
+    # that samples (the CPU test suite crashed on its memory maps).
+    return lax.fori_loop(0, 32 // bits, set_digit, jnp.zeros(shape, jnp.uint32))
 
 
 def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
     """The same tokens as `_truncation_mask(..., vocab)`, found by thresholds instead of a
-    sort of the vocabulary: 64 masked reductions over it (two 32-step bisections on the
-    scores' bits), which on a GPU cost a fraction of the full sort.
+    sort of the vocabulary: two digit-by-digit searches on the scores' bits (`_largest_key`),
+    16 masked sweeps of the vocabulary in all.
 
     Top-k: the k-th largest score key, then ties at it by lowest index. Top-p: the smallest
     key v whose strictly-larger kept tokens hold mass < top_p; tokens above v are kept, and
@@ -112,14 +130,17 @@ def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
     """
     keys = _order_keys(scores)
     row_shape = scores.shape[:-1]
-    kth = _largest_key(lambda t: jnp.sum(keys >= t, axis=-1) >= top_k, row_shape)[..., None]
+    kth = _largest_key(lambda t: jnp.sum(keys[..., None, :] >= t[..., None], axis=-1) >= top_k[..., None],
+                       row_shape)[..., None]
     tied = keys == kth
     room = top_k - jnp.sum(keys > kth, axis=-1)
     in_k = (keys > kth) | (tied & (_exclusive_cumsum(tied.astype(jnp.int32)) < room[..., None]))
 
     mass = jnp.where(in_k, probs, 0.0)
     mass = mass / mass.sum(-1, keepdims=True)
-    below = _largest_key(lambda t: jnp.sum(jnp.where(keys > t, mass, 0.0), axis=-1) >= top_p, row_shape)
+    below = _largest_key(
+        lambda t: jnp.sum(jnp.where(keys[..., None, :] > t[..., None], mass[..., None, :], 0.0), axis=-1)
+        >= top_p[..., None], row_shape)
     last = jnp.min(jnp.where(in_k & (keys > below[..., None]), keys, jnp.uint32(0xFFFFFFFF)), axis=-1)[..., None]
     at_last = in_k & (keys == last)
     mass_above = jnp.sum(jnp.where(keys > last, mass, 0.0), axis=-1, keepdims=True)
@@ -193,9 +214,16 @@ def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
 
 def sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R) -> jax.Array:
     """One token per row from the target's processed distribution, keyed (TARGET_STREAM,
-    the row's position): a plain, non-speculative step (e.g. the first token after prefill)."""
-    probs_RV = processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
-    return sample_tokens(probs_RV, seeds_R, positions_R, TARGET_STREAM)
+    the row's position): a plain, non-speculative step (e.g. the first token after prefill).
+    When every row is greedy this is an argmax over the logits, with the same result: no
+    softmax or noise over the vocabulary (a greedy step's only pass over it is the argmax)."""
+    logits_RV, temperature_R = jnp.asarray(logits_RV), jnp.asarray(temperature_R)
+
+    def general():
+        probs_RV = processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
+        return sample_tokens(probs_RV, seeds_R, positions_R, TARGET_STREAM)
+
+    return lax.cond(jnp.all(temperature_R == 0), lambda: jnp.argmax(logits_RV, axis=-1).astype(jnp.int32), general)
 
 
 def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R):

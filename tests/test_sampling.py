@@ -68,13 +68,15 @@ def test_processed_probs_matches_reference(vocab, top_ks):
 
 
 def test_threshold_path_breaks_ties_like_a_stable_sort():
-    """Many exactly tied scores (small integer logits): top-k beyond TOP_K_FAST and top-p
-    take the threshold path, whose boundary ties must go to the lowest indices."""
+    """Many exactly tied scores (small integer logits, zeros of both signs): top-k beyond
+    TOP_K_FAST and top-p take the threshold path, top-k within it the fast path; on both,
+    boundary ties (-0.0 and 0.0 too) must go to the lowest indices."""
     rng = np.random.default_rng(3)
     rows, vocab = 96, 97
-    logits = rng.integers(0, 4, (rows, vocab)).astype(np.float32)
+    logits = rng.integers(-2, 2, (rows, vocab)).astype(np.float32)
+    logits *= rng.choice(np.float32([1, -1]), (rows, vocab))
     temperature = rng.choice([0.5, 1.0, 2.0], rows).astype(np.float32)
-    top_k = rng.choice([0, 17, 30, 60, 96], rows).astype(np.int32)
+    top_k = rng.choice([0, 7, 17, 30, 60, 96], rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.1, 0.37, 0.8, 0.99], rows).astype(np.float32)
     ours = np.asarray(processed_probs(logits, temperature, top_k, top_p))
     ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
