@@ -32,7 +32,7 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = {}
     for rule in rules:
-        array = get_path(params, rule.path)
+        array = rule.part(get_path(params, rule.path))
         array = array.T if rule.transpose else array
         tensors[rule.hf_name] = (array if dtype is None else array.astype(dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)

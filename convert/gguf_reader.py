@@ -9,6 +9,8 @@ rules and shape checks as a safetensors folder. Only the Llama architecture is r
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from pathlib import Path
 
@@ -50,7 +52,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def gguf_target_rules(cfg: TargetConfig) -> list[WeightRule]:
     """The HF target rules, each `hf_name` replaced by the tensor's name in a GGUF file."""
-    return [WeightRule(gguf_tensor_name(r.hf_name), r.path, r.transpose) for r in target_rules(cfg)]
+    return [dataclasses.replace(r, hf_name=gguf_tensor_name(r.hf_name)) for r in target_rules(cfg)]
 
 
 def open_gguf_reader(path: str | Path):

@@ -78,7 +78,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     dtype = jnp.dtype(dtype)
     abstract_params = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype), nnx.Param))
     for rule in rules:
-        want = get_path(abstract_params, rule.path).shape
+        want = rule.part_shape(get_path(abstract_params, rule.path).shape)
         want_hf = tuple(reversed(want)) if rule.transpose else tuple(want)
         if tuple(shapes[rule.hf_name]) != want_hf:
             raise ConversionError(
@@ -89,9 +89,21 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
         array = jnp.asarray(source.get(aliases.get(rule.hf_name, rule.hf_name)))
-        array = array.T if rule.transpose else array
-        set_path(params, rule.path, array.astype(dtype))
+        array = (array.T if rule.transpose else array).astype(dtype)
+        if rule.columns is not None:  # a column block of a fused parameter: fill it in place
+            whole = _get_or_none(params, rule.path)
+            if whole is None:
+                whole = jnp.zeros(get_path(abstract_params, rule.path).shape, dtype)
+            array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
+        set_path(params, rule.path, array)
     return raw_config, model_from_params(cfg, dtype, params)
+
+
+def _get_or_none(tree: dict, path: tuple):
+    try:
+        return get_path(tree, path)
+    except KeyError:
+        return None
 
 
 def convert_checkpoint(

@@ -1,8 +1,10 @@
 """HF tensor name -> parameter path tables, one per model family.
 
-Each rule says where a HF tensor goes in the NNX parameter tree and whether it is a PyTorch
-`Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels). Shapes are checked
-against the model built from the config, so the tables hold no shapes of their own.
+Each rule says where a HF tensor goes in the NNX parameter tree, whether it is a PyTorch
+`Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels), and, for a fused
+parameter, which columns (last-axis range) it fills: HF's q_proj, k_proj and v_proj are the
+three column blocks of our `qkv_proj`. Shapes are checked against the model built from the
+config, so the tables hold no shapes of their own.
 """
 
 from __future__ import annotations
@@ -18,16 +20,24 @@ class WeightRule:
     hf_name: str
     path: tuple[str | int, ...]
     transpose: bool
+    columns: tuple[int, int] | None = None  # [start, stop) of the parameter's last axis; None: all
+
+    def part(self, param):
+        """This rule's piece of the (our-layout) parameter `param`."""
+        return param if self.columns is None else param[..., self.columns[0] : self.columns[1]]
+
+    def part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape if self.columns is None else (*shape[:-1], self.columns[1] - self.columns[0])
 
 
 # Buffers some exporters save next to the weights; they carry no learned values.
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _linear(hf_prefix: str, path: tuple, *, bias: bool) -> list[WeightRule]:
-    rules = [WeightRule(f"{hf_prefix}.weight", (*path, "kernel"), True)]
+def _linear(hf_prefix: str, path: tuple, *, bias: bool, columns: tuple[int, int] | None = None) -> list[WeightRule]:
+    rules = [WeightRule(f"{hf_prefix}.weight", (*path, "kernel"), True, columns)]
     if bias:
-        rules.append(WeightRule(f"{hf_prefix}.bias", (*path, "bias"), False))
+        rules.append(WeightRule(f"{hf_prefix}.bias", (*path, "bias"), False, columns))
     return rules
 
 
@@ -35,13 +45,18 @@ def _norm(hf_prefix: str, path: tuple) -> WeightRule:
     return WeightRule(f"{hf_prefix}.weight", (*path, "weight"), False)
 
 
-def _decoder_layer(hf: str, path: tuple, *, attention_bias: bool, mlp_bias: bool, qk_norm: bool):
+def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
     rules = [
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
     ]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        rules += _linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", proj), bias=attention_bias)
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
+    for proj, start in starts.items():
+        width = q_width if proj == "q_proj" else kv_width
+        rules += _linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"), bias=cfg.attention_bias,
+                         columns=(start, start + width))
+    rules += _linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
     if qk_norm:
         rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
     for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -53,13 +68,7 @@ def target_rules(cfg: TargetConfig) -> list[WeightRule]:
     """`Qwen3ForCausalLM` / `LlamaForCausalLM` names (`model.` prefix, `lm_head` unless tied)."""
     rules = [WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_layers):
-        rules += _decoder_layer(
-            f"model.layers.{i}",
-            ("layers", i),
-            attention_bias=cfg.attention_bias,
-            mlp_bias=cfg.mlp_bias,
-            qk_norm=cfg.qk_norm,
-        )
+        rules += _decoder_layer(f"model.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm)
     rules.append(_norm("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)
@@ -75,9 +84,7 @@ def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:
     """z-lab DFlash-1 names (spec section 3), unprefixed; callers strip an optional `model.`."""
     rules = _linear("fc", ("fc",), bias=False) + [_norm("hidden_norm", ("hidden_norm",))]
     for i in range(cfg.num_layers):
-        rules += _decoder_layer(
-            f"layers.{i}", ("layers", i), attention_bias=cfg.attention_bias, mlp_bias=False, qk_norm=True
-        )
+        rules += _decoder_layer(f"layers.{i}", ("layers", i), cfg, mlp_bias=False, qk_norm=True)
     rules.append(_norm("norm", ("norm",)))
     return rules
 

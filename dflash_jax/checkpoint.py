@@ -21,7 +21,7 @@ from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_co
 from dflash_jax.models import Drafter, Target
 
 FORMAT_FILE = "dflash_jax.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fused qkv_proj (1 had q_proj, k_proj, v_proj)
 PARAMS_DIR = "params"
 
 
@@ -47,6 +47,14 @@ def save_checkpoint(model: Target | Drafter, raw_config: dict[str, Any], out_dir
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((out_dir / PARAMS_DIR).absolute(), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     checkpointer.wait_until_finished()
+
+
+def checkpoint_format(path: str | Path) -> int | None:
+    """The format version of the orbax folder at `path`; None where there is none."""
+    try:
+        return json.loads((Path(path) / FORMAT_FILE).read_text()).get("format")
+    except (OSError, ValueError):
+        return None
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:

