@@ -3,7 +3,7 @@
 Each rule says where a HF tensor goes in the NNX parameter tree, whether it is a PyTorch
 `Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels), and, for a fused
 parameter, which columns (last-axis range) it fills: HF's q_proj, k_proj and v_proj are the
-three column blocks of our `qkv_proj`. Shapes are checked against the model built from the
+three column blocks of our `qkv_proj`, gate_proj and up_proj the two of `gate_up_proj`. Shapes are checked against the model built from the
 config, so the tables hold no shapes of their own.
 """
 
@@ -59,8 +59,11 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
     rules += _linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
     if qk_norm:
         rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        rules += _linear(f"{hf}.mlp.{proj}", (*path, "mlp", proj), bias=mlp_bias)
+    inter = cfg.intermediate_size
+    for proj, start in (("gate_proj", 0), ("up_proj", inter)):
+        rules += _linear(f"{hf}.mlp.{proj}", (*path, "mlp", "gate_up_proj"), bias=mlp_bias,
+                         columns=(start, start + inter))
+    rules += _linear(f"{hf}.mlp.down_proj", (*path, "mlp", "down_proj"), bias=mlp_bias)
     return rules
 
 

