@@ -72,15 +72,15 @@ def main():
         k, p, use_p = jnp.full((rows,), 50, jnp.int32), jnp.full((rows,), 0.9, jnp.float32), jnp.ones((rows,), bool)
         full_sort = jax.jit(lambda s: sampling._truncation_mask(s, jax.nn.softmax(s, -1), k, p, use_p, vocab))
         row["full_sort_mask_us"] = 1e6 * time_chain(full_sort, scores, args.reps, args.chain)
-        runtime_bits = sampling.THRESHOLD_DIGIT_BITS
+        runtime_policy = sampling.threshold_digit_bits
         row["same_tokens_kept"] = True
         for bits in (1, 2, 4, 8):  # bits per pass; traced under each setting, then restored
-            sampling.THRESHOLD_DIGIT_BITS = bits
+            sampling.threshold_digit_bits = lambda rows, bits=bits: bits
             threshold = jax.jit(lambda s: sampling._threshold_truncation_mask(s, jax.nn.softmax(s, -1), k, p, use_p))
             row["same_tokens_kept"] &= bool(np.array_equal(threshold(scores), full_sort(scores)))
             row[f"threshold_mask_{bits}bit_us"] = 1e6 * time_chain(threshold, scores, args.reps, args.chain)
-        sampling.THRESHOLD_DIGIT_BITS = runtime_bits
-        row["threshold_mask_us"] = row[f"threshold_mask_{runtime_bits}bit_us"]
+        sampling.threshold_digit_bits = runtime_policy
+        row["threshold_mask_us"] = row[f"threshold_mask_{runtime_policy(rows)}bit_us"]
         results.append(row)
         print(json.dumps(row), flush=True)
     info = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}

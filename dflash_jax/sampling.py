@@ -26,6 +26,7 @@ which is harmless since nothing depended on them.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +94,16 @@ def _order_keys(scores) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-# Bits of a threshold `_largest_key` settles per pass: each pass counts 2**bits - 1 candidate
-# thresholds in one sweep of the vocabulary, so a 32-bit key takes 32 / bits passes. On the
-# H200 (jax 0.11.2, R = 8 x 151936) one bit per pass (64 passes for top-k and top-p) took
-# 1.37 ms against the full sort's 0.47 ms: the passes' count, not the sweeps, set the time.
-THRESHOLD_DIGIT_BITS = 4
+def threshold_digit_bits(rows: int) -> int:
+    """Bits of a threshold `_largest_key` settles per pass, for `rows` rows of scores.
+
+    Each pass counts 2**bits - 1 candidate thresholds in one sweep of the vocabulary, so a
+    32-bit key takes 32 / bits passes: fewer passes, more counting per pass. On the H200
+    (jax 0.11.2, V = 151936, both masks; bench/bench_sampling.py) 4 bits won at R = 8
+    (0.41 ms; 1 bit 1.21, the full sort 0.50) and 2 bits at R = 32 (0.81; 4 bits 1.08, sort
+    1.41) and R = 256 (4.6; 4 bits 7.2, sort 4.1).
+    """
+    return 4 if rows <= 16 else 2
 
 
 def _largest_key(predicate, shape) -> jax.Array:
@@ -105,7 +111,7 @@ def _largest_key(predicate, shape) -> jax.Array:
     false above some point. predicate maps candidate thresholds [*shape, C] to bools of that
     shape. Digits are set from the top: the next digit is the number of its nonzero values
     whose candidate keeps the predicate true."""
-    bits = THRESHOLD_DIGIT_BITS
+    bits = threshold_digit_bits(math.prod(shape))
     digits = jnp.arange(1, 2**bits, dtype=jnp.uint32)
 
     def set_digit(i, t):

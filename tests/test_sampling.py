@@ -78,10 +78,12 @@ def test_threshold_path_breaks_ties_like_a_stable_sort():
     temperature = rng.choice([0.5, 1.0, 2.0], rows).astype(np.float32)
     top_k = rng.choice([0, 7, 17, 30, 60, 96], rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.1, 0.37, 0.8, 0.99], rows).astype(np.float32)
-    ours = np.asarray(processed_probs(logits, temperature, top_k, top_p))
     ref = np.stack([reference_probs(*args) for args in zip(logits, temperature, top_k, top_p)])
-    np.testing.assert_array_equal(ours > 0, ref > 0)
-    np.testing.assert_allclose(ours, ref, atol=2e-6)
+    assert sampling.threshold_digit_bits(8) != sampling.threshold_digit_bits(rows)  # two widths below
+    for r in (rows, 8):  # the threshold searches settle more bits per pass for few rows
+        ours = np.asarray(processed_probs(logits[:r], temperature[:r], top_k[:r], top_p[:r]))
+        np.testing.assert_array_equal(ours > 0, ref[:r] > 0)
+        np.testing.assert_allclose(ours, ref[:r], atol=2e-6)
 
 
 def test_processed_probs_matches_zlab():
