@@ -144,12 +144,12 @@ def resolve_attention_impl(impl: str) -> str:
     return impl
 
 
-def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int):
+def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int, dtype):
     """`paged_attention` (same arguments) as `impl` computes it, for the queries of one step.
 
     For the Pallas kernel the query blocks, which depend only on the step's `q_req_T`, are
     cut here once and shared by every layer of the step. `num_rows`: block-table rows;
-    `group`: query heads per kv head.
+    `group`: query heads per kv head; `dtype`: the queries' dtype.
     """
     if resolve_attention_impl(impl) == "reference":
         return paged_attention
@@ -157,7 +157,7 @@ def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int):
     from pallas_kernels.paged_attention import (default_block_q, default_kv_splits, paged_attention_pallas,
                                                 query_blocks)
 
-    block_q = default_block_q(q_req_T.shape[0], num_rows, group)
+    block_q = default_block_q(q_req_T.shape[0], num_rows, group, f32=jnp.dtype(dtype) == jnp.float32)
     kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q)
     return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q),
                              kv_splits=kv_splits)

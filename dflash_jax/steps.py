@@ -56,7 +56,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     seq_lens_R = _seq_lens(batch)
     paged_attention = paged_attention_for_step(
         attention_impl, batch.rows, num_rows=batch.block_table.shape[0],
-        group=target.cfg.num_heads // target.cfg.num_kv_heads,
+        group=target.cfg.num_heads // target.cfg.num_kv_heads, dtype=target.dtype,
     )
 
     def attend(layer, q, k, v):
@@ -198,6 +198,7 @@ def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts:
     query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
     paged_attention = paged_attention_for_step(
         shape.attention_impl, query_rows, num_rows=num_rows, group=drafter.cfg.num_heads // drafter.cfg.num_kv_heads,
+        dtype=drafter.dtype,
     )
 
     def attend(layer, q, k, v):

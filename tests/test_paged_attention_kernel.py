@@ -245,6 +245,16 @@ def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, want):
     assert default_kv_splits(num_tokens, num_rows, block_q) == want
 
 
+@pytest.mark.parametrize("num_tokens, num_rows, group, want_bf16, want_f32", [
+    (16, 1, 3, 16, 8),       # SmolLM2 verify block: 64 rows in bf16, 32 in float32
+    (2048, 1, 4, 32, 8),     # a prefill chunk: 128 rows / 32 rows
+    (1, 1, 4, 4, 4),         # decode: 16 rows either way
+])
+def test_float32_query_blocks_stay_small(num_tokens, num_rows, group, want_bf16, want_f32):
+    assert default_block_q(num_tokens, num_rows, group) == want_bf16
+    assert default_block_q(num_tokens, num_rows, group, f32=True) == want_f32
+
+
 def test_rows_with_nothing_visible_are_zero():
     """Windowed non-causal rows far past their keys, and rows of an empty batch row."""
     cfg = Config(LayerAttention(False, 4), "float32", 16, 2, 2, 16, 16, 3, 4)
