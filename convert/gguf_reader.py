@@ -10,7 +10,6 @@ rules and shape checks as a safetensors folder. Only the Llama architecture is r
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 from pathlib import Path
 

@@ -3,8 +3,9 @@
 Each rule says where a HF tensor goes in the NNX parameter tree, whether it is a PyTorch
 `Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels), and, for a fused
 parameter, which columns (last-axis range) it fills: HF's q_proj, k_proj and v_proj are the
-three column blocks of our `qkv_proj`, gate_proj and up_proj the two of `gate_up_proj`. Shapes are checked against the model built from the
-config, so the tables hold no shapes of their own.
+three column blocks of our `qkv_proj`, gate_proj and up_proj the two of `gate_up_proj`.
+Shapes are checked against the model built from the config, so the tables hold no shapes of
+their own.
 """
 
 from __future__ import annotations
