@@ -129,7 +129,9 @@ def convert_checkpoint(
                 shutil.copy2(Path(hf_dir) / name, written / name)
         for name, text in tokenizer_files.items():
             (written / name).write_text(text)
-        if out_dir.exists():
+        if out_dir.is_symlink():  # the link is replaced; the folder it points to is left alone
+            out_dir.unlink()
+        elif out_dir.exists():
             shutil.rmtree(out_dir)
         written.rename(out_dir)
     finally:

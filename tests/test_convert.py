@@ -159,6 +159,18 @@ def test_existing_out_dir_needs_force(tmp_path, capsys):
     assert leftovers(tmp_path, {"hf", "out"}) == []
 
 
+def test_forced_conversion_replaces_a_link_not_its_target(tmp_path):
+    hf_dir = save_hf(make_hf_target("qwen3"), tmp_path / "hf")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("precious")
+    out = tmp_path / "out"
+    out.symlink_to(elsewhere)
+    assert run_cli(hf_dir, out, "--force") == 0
+    assert not out.is_symlink() and (out / "dflash_jax.json").is_file()
+    assert os.listdir(elsewhere) == ["keep.txt"]
+
+
 def test_failed_forced_conversion_keeps_the_old_output(tmp_path):
     hf_dir = Path(save_hf(make_hf_target("qwen3"), tmp_path / "hf"))
     out = tmp_path / "out"
