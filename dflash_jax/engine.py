@@ -309,7 +309,8 @@ class Engine:
                 raise RuntimeError("the engine could schedule none of its running requests.")
             return []
         batch = self._build_batch(work)
-        self._state, tokens_RQ, accepted_R = self._step_program(self._params, self._state, batch)
+        self._state, tokens_RQ, accepted_R = self._step_program(self._params, self._state, *batch.to_device(),
+                                                                batch.layout)
         tokens_RQ, accepted_R = jax.device_get((tokens_RQ, accepted_R))
         return self._commit(work, tokens_RQ, accepted_R)
 
@@ -323,7 +324,7 @@ class Engine:
         })
         for num_rows, num_tokens in buckets:
             inert = self._host_batch(num_rows, num_tokens)
-            self._state, *_ = self._step_program(self._params, self._state, inert.to_device())
+            self._state, *_ = self._step_program(self._params, self._state, *inert.to_device(), inert.layout)
         return len(buckets)
 
     @staticmethod
@@ -428,7 +429,7 @@ class Engine:
 
     # ---- batches ------------------------------------------------------------------------
 
-    def _build_batch(self, work: list[_Work]) -> _StepBatch:
+    def _build_batch(self, work: list[_Work]) -> _HostBatch:
         num_rows = next_pow2(len(work))
         host = self._host_batch(num_rows, self._token_bucket(sum(w.rows for w in work), len(work)))
         q = 1 + self.num_drafts
@@ -463,7 +464,7 @@ class Engine:
             start += rows
             host.query_start_loc[r + 1] = start
         host.query_start_loc[len(work) + 1 :] = start
-        return host.to_device()
+        return host
 
     def _host_batch(self, num_rows: int, num_tokens: int) -> _HostBatch:
         return _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs,
@@ -535,41 +536,58 @@ class Engine:
 
 
 class _HostBatch:
-    """numpy buffers of one bucket, filled row by row, then moved to the device at once."""
+    """One step's inputs as numpy views into one int32 and one float32 buffer, filled row by
+    row, then moved to the device as those two arrays (as a pytree of 18 arrays the move took
+    18 transfers). `layout`, static, is how the step program cuts them apart (`_unpack`)."""
 
     def __init__(self, num_rows, num_tokens, q, max_blocks, max_num_reqs, num_window_groups):
-        self.tokens = np.zeros(num_tokens, np.int32)
-        self.positions = np.zeros(num_tokens, np.int32)
-        self.rows = np.zeros(num_tokens, np.int32)
-        self.slots_T = np.full(num_tokens, PAD_SLOT, np.int32)
-        self.query_start_loc = np.zeros(num_rows + 1, np.int32)
-        self.block_table = np.full((num_rows, max_blocks), NULL_PAGE, np.int32)
-        self.window_tables = tuple(np.full((num_rows, max_blocks), NULL_PAGE, np.int32) for _ in range(num_window_groups))
-        self.verify_rows = np.zeros((num_rows, q), np.int32)
-        self.slot = np.full(num_rows, max_num_reqs, np.int32)
-        self.anchor_pos = np.zeros(num_rows, np.int32)
-        self.num_drafts = np.zeros(num_rows, np.int32)
-        self.use_drafts = np.zeros(num_rows, bool)
-        self.num_sampled = np.zeros(num_rows, np.int32)
-        self.next_prefill = np.zeros(num_rows, np.int32)
-        self.temperature = np.zeros(num_rows, np.float32)
-        self.top_k = np.zeros(num_rows, np.int32)
-        self.top_p = np.ones(num_rows, np.float32)
-        self.seeds = np.zeros(num_rows, np.int32)
+        T, R = num_tokens, num_rows
+        int_fields = [
+            ("tokens", (T,), 0), ("positions", (T,), 0), ("rows", (T,), 0), ("slots_T", (T,), PAD_SLOT),
+            ("query_start_loc", (R + 1,), 0), ("block_table", (R, max_blocks), NULL_PAGE),
+            *((f"window_table_{i}", (R, max_blocks), NULL_PAGE) for i in range(num_window_groups)),
+            ("verify_rows", (R, q), 0), ("slot", (R,), max_num_reqs), ("anchor_pos", (R,), 0),
+            ("num_drafts", (R,), 0), ("use_drafts", (R,), 0), ("num_sampled", (R,), 0), ("next_prefill", (R,), 0),
+            ("top_k", (R,), 0), ("seeds", (R,), 0),
+        ]
+        float_fields = [("temperature", (R,), 0.0), ("top_p", (R,), 1.0)]
+        self.ints, int_layout = self._buffer(int_fields, np.int32)
+        self.floats, float_layout = self._buffer(float_fields, np.float32)
+        self.layout = (int_layout, float_layout)
+        self.window_tables = tuple(getattr(self, f"window_table_{i}") for i in range(num_window_groups))
 
-    def to_device(self) -> _StepBatch:
-        target = TargetBatch(
-            token_ids=self.tokens, positions=self.positions, rows=self.rows, slots=self.slots_T,
-            query_start_loc=self.query_start_loc, block_table=self.block_table,
-            logits_rows=self.verify_rows.reshape(-1),
-        )
-        batch = _StepBatch(
-            target=target, window_tables=self.window_tables, slots=self.slot, verify_rows=self.verify_rows, anchor_pos=self.anchor_pos,
-            num_drafts=self.num_drafts, use_drafts=self.use_drafts, num_sampled=self.num_sampled,
-            next_prefill_tokens=self.next_prefill, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, seeds=self.seeds,
-        )
-        return jax.device_put(batch)
+    def _buffer(self, fields, dtype):
+        """One buffer for `fields` (name, shape, fill value), each also set as a named view."""
+        sizes = [int(np.prod(shape)) for _, shape, _ in fields]
+        buffer = np.empty(sum(sizes), dtype)
+        layout, offset = [], 0
+        for (name, shape, fill), size in zip(fields, sizes):
+            view = buffer[offset : offset + size].reshape(shape)
+            view[...] = fill
+            setattr(self, name, view)
+            layout.append((name, shape, offset))
+            offset += size
+        return buffer, tuple(layout)
+
+    def to_device(self) -> tuple[jax.Array, jax.Array]:
+        return jax.device_put((self.ints, self.floats))
+
+
+def _unpack(ints, floats, layout) -> _StepBatch:
+    """The step's `_StepBatch` from a `_HostBatch`'s two buffers and static layout."""
+    f = {name: buffer[offset : offset + int(np.prod(shape))].reshape(shape)
+         for buffer, fields in zip((ints, floats), layout) for name, shape, offset in fields}
+    target = TargetBatch(
+        token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=f["slots_T"],
+        query_start_loc=f["query_start_loc"], block_table=f["block_table"], logits_rows=f["verify_rows"].reshape(-1),
+    )
+    window_tables = tuple(f[name] for name, _, _ in layout[0] if name.startswith("window_table_"))
+    return _StepBatch(
+        target=target, window_tables=window_tables, slots=f["slot"], verify_rows=f["verify_rows"],
+        anchor_pos=f["anchor_pos"], num_drafts=f["num_drafts"], use_drafts=f["use_drafts"] != 0,
+        num_sampled=f["num_sampled"], next_prefill_tokens=f["next_prefill"], temperature=f["temperature"],
+        top_k=f["top_k"], top_p=f["top_p"], seeds=f["seeds"],
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -582,10 +600,11 @@ def _step_program(graphs, params_tree, shape: _StepShape):
     Python: dispatching a 36-layer model's step took 5.9 ms on a 2-core CPU host, 1.5 ms
     this way."""
 
-    def step(param_leaves, state, batch):
-        return _engine_step(graphs, jax.tree.unflatten(params_tree, param_leaves), state, batch, shape=shape)
+    def step(param_leaves, state, ints, floats, layout):
+        return _engine_step(graphs, jax.tree.unflatten(params_tree, param_leaves), state, _unpack(ints, floats, layout),
+                            shape=shape)
 
-    return jax.jit(step, donate_argnums=1)
+    return jax.jit(step, donate_argnums=1, static_argnums=4)
 
 
 def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shape: _StepShape):
