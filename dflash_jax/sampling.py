@@ -164,8 +164,8 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     logits [R, V] or [R, S, V]; temperature, top_k, top_p [R] (broadcast over S) or the
     full leading shape. Greedy rows give a one-hot at argmax. The ranking behind
     top-k/top-p runs only when some row uses them, over TOP_K_FAST candidates when that
-    suffices (else by thresholds, without a sort); a row's result is the same on every path (up to float summation order inside
-    the top-p mass), so it does not depend on the batch.
+    suffices, else by thresholds without a sort; a row's result is the same on every path
+    (up to float summation order inside the top-p mass), so it does not depend on the batch.
     """
     logits = jnp.asarray(logits)
     vocab = logits.shape[-1]

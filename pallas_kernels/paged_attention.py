@@ -370,7 +370,7 @@ def paged_attention_pallas(
         return jnp.zeros_like(q_TNH)
     group = N // K
     if block_q is None:
-        block_q = default_block_q(T, R, group)
+        block_q = default_block_q(T, R, group, f32=q_TNH.dtype == jnp.float32)
     block_q = max(block_q, 16 // _next_pow2(group))   # at least 16 dot rows
     cfg = _Config(
         num_tokens=T, num_heads=N, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
