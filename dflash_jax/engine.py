@@ -41,9 +41,10 @@ from dflash_jax.kv_cache import (
 )
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
-    check_prompt, check_request, next_pow2, resolve_block_size, resolve_draft_block_size,
+    check_prompt, check_request, resolve_block_size, resolve_draft_block_size,
 )
 from dflash_jax.steps import DraftShape, TargetBatch, draft_step, target_step
+from pallas_kernels.common import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,13 +311,14 @@ class Engine:
             return []
         batch = self._build_batch(work)
         self._state, tokens_RQ, accepted_R = self._step_program(self._params, self._state, *batch.to_device(),
-                                                                batch.layout)
+                                                                batch.layout, batch.greedy)
         tokens_RQ, accepted_R = jax.device_get((tokens_RQ, accepted_R))
         return self._commit(work, tokens_RQ, accepted_R)
 
     def precompile(self) -> int:
-        """Compile every (rows, tokens) bucket up front by running inert batches through it
-        (every write of an inert batch is dropped); returns how many buckets there are."""
+        """Compile every step program up front, for each (rows, tokens) bucket a greedy and a
+        sampling one, by running inert batches through them (every write of an inert batch is
+        dropped); returns how many programs there are."""
         buckets = sorted({
             (next_pow2(num_rows), self._token_bucket(num_tokens, num_rows))
             for num_rows in range(1, self.max_num_reqs + 1)
@@ -324,8 +326,9 @@ class Engine:
         })
         for num_rows, num_tokens in buckets:
             inert = self._host_batch(num_rows, num_tokens)
-            self._state, *_ = self._step_program(self._params, self._state, *inert.to_device(), inert.layout)
-        return len(buckets)
+            for greedy in (True, False):
+                self._state, *_ = self._step_program(self._params, self._state, *inert.to_device(), inert.layout, greedy)
+        return 2 * len(buckets)
 
     @staticmethod
     def num_traces() -> int:
@@ -569,6 +572,11 @@ class _HostBatch:
             offset += size
         return buffer, tuple(layout)
 
+    @property
+    def greedy(self) -> bool:
+        """Every row at temperature 0 (padding rows are): the step's greedy program."""
+        return not self.temperature.any()
+
     def to_device(self) -> tuple[jax.Array, jax.Array]:
         return jax.device_put((self.ints, self.floats))
 
@@ -600,15 +608,17 @@ def _step_program(graphs, params_tree, shape: _StepShape):
     Python: dispatching a 36-layer model's step took 5.9 ms on a 2-core CPU host, 1.5 ms
     this way."""
 
-    def step(param_leaves, state, ints, floats, layout):
+    def step(param_leaves, state, ints, floats, layout, greedy):
         return _engine_step(graphs, jax.tree.unflatten(params_tree, param_leaves), state, _unpack(ints, floats, layout),
-                            shape=shape)
+                            shape=shape, greedy=greedy)
 
-    return jax.jit(step, donate_argnums=1, static_argnums=4)
+    return jax.jit(step, donate_argnums=1, static_argnums=(4, 5))
 
 
-def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shape: _StepShape):
-    """Target forward, verification, next drafts: one program per (rows, tokens) bucket."""
+def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shape: _StepShape, greedy: bool):
+    """Target forward, verification, next drafts: one program per (rows, tokens) bucket and
+    per `greedy` (every row at temperature 0: sampling compiles to argmaxes, and the draft
+    probabilities, which only sampled rows read, are neither read nor written)."""
     _traces[0] += 1
     target = nnx.merge(graphs[0], params[0])
     num_rows, num_query = batch.verify_rows.shape
@@ -629,13 +639,13 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     logits_RQV = logits.reshape(num_rows, num_query, -1)
     if not n:
         token_R = sampling.sample_target(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p, batch.seeds,
-                                         batch.anchor_pos)
+                                         batch.anchor_pos, greedy=greedy)
         return dataclasses.replace(state, target_cache=target_cache), token_R[:, None], jnp.zeros_like(token_R)
 
-    draft_probs_RNV = state.draft_probs[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
+    draft_probs_RNV = None if greedy else state.draft_probs[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
     tokens_RQ, accepted_R = sampling.rejection_sample(
         logits_RQV, drafts_RN, draft_probs_RNV, batch.num_drafts, batch.temperature, batch.top_k, batch.top_p,
-        batch.seeds, batch.anchor_pos,
+        batch.seeds, batch.anchor_pos, greedy=greedy,
     )
     bonus_R = tokens_RQ[rows_R, accepted_R]
     drafter = nnx.merge(graphs[1], params[1])
@@ -649,12 +659,12 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     )
     next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
     new_drafts_RN, new_probs_RNV = sampling.sample_drafts(
-        draft_logits_RNV, batch.temperature, batch.top_k, batch.top_p, batch.seeds, next_anchor_pos_R
+        draft_logits_RNV, batch.temperature, batch.top_k, batch.top_p, batch.seeds, next_anchor_pos_R, greedy=greedy
     )
     state = _DeviceState(
         target_cache=target_cache,
         draft_caches=draft_caches,
         drafts=state.drafts.at[batch.slots].set(new_drafts_RN, mode="drop"),
-        draft_probs=state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
+        draft_probs=state.draft_probs if greedy else state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
     )
     return state, tokens_RQ, accepted_R

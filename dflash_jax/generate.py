@@ -25,9 +25,10 @@ from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
-    check_prompt, check_request, next_pow2, resolve_block_size, resolve_draft_block_size,
+    check_prompt, check_request, resolve_block_size, resolve_draft_block_size,
 )
 from dflash_jax.steps import DraftShape, TargetBatch, block_batch, draft_step, target_step
+from pallas_kernels.common import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class _Static:
     attention_impl: str
     page_size: int
     draft_block_size: int  # the drafter's block (1 + its mask tokens), >= 1 + num_drafts
+    greedy: bool  # temperature 0: sampling compiles to argmaxes, with no runtime branch
 
 
 def generate(
@@ -142,6 +144,7 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         attention_impl=attention_impl,
         page_size=page_size,
         draft_block_size=draft_block_size,
+        greedy=temperature == 0,
     )
     prefill = _prefill_batch(prompts, block_table, page_size)
     sampling_R = (
@@ -209,7 +212,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
 
     def sample_rows(logits_RV, positions_R):
         """The next token from each row's logits; `positions_R` = the rows' positions."""
-        return sampling.sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R)
+        return sampling.sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R,
+                                      greedy=static.greedy)
 
     def propose(draft_cache, batch, features, num_rejected_R, anchor_R, anchor_pos_R):
         """(draft cache, (drafts [R, N], their distribution q [R, N, V])) for the next block."""
@@ -220,7 +224,8 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
             shape=DraftShape(num_drafts, static.max_model_len, static.layout_impl, static.attention_impl,
                              static.draft_block_size),
         )
-        return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R)
+        return draft_cache, sampling.sample_drafts(logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, anchor_pos_R,
+                                                   greedy=static.greedy)
 
     def verify(logits_RQV, drafts, remaining_R, start_R):
         """(committed tokens [R, 1 + N], accepted drafts [R]) from the verify rows' logits."""
@@ -228,7 +233,7 @@ def _program(graphs, states, prefill: TargetBatch, max_new_tokens, sampling_R, s
             return sample_rows(logits_RQV[:, 0], start_R)[:, None], jnp.zeros_like(rows_R)
         return sampling.rejection_sample(
             logits_RQV, *drafts, jnp.clip(remaining_R - 1, 0, num_drafts),
-            temperature_R, top_k_R, top_p_R, seeds_R, start_R,
+            temperature_R, top_k_R, top_p_R, seeds_R, start_R, greedy=static.greedy,
         )
 
     # Prefill: the whole prompt of every request, the first token, the first drafts.

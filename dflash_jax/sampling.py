@@ -21,6 +21,11 @@ a committed token is used once per request: a cycle that commits up to position 
 at positions <= t - 1 for its decisions, and the next cycle's decisions use keys >= t. Keys a
 cycle drew but never examined (drafts past the first rejection) may be drawn again later,
 which is harmless since nothing depended on them.
+
+When every row is greedy, each function takes an argmax-only path with the same result. A
+runtime check picks it (`lax.cond`), which on a GPU costs a device-to-host copy of the
+predicate and a stall per call; a caller that knows on the host that every row is greedy
+passes `greedy=True` and that path is compiled alone.
 """
 
 from __future__ import annotations
@@ -218,31 +223,40 @@ def sample_tokens(probs, seeds, positions, stream: int) -> jax.Array:
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
-def sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R) -> jax.Array:
+def sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R, *, greedy: bool = False
+                  ) -> jax.Array:
     """One token per row from the target's processed distribution, keyed (TARGET_STREAM,
     the row's position): a plain, non-speculative step (e.g. the first token after prefill).
     When every row is greedy this is an argmax over the logits, with the same result: no
-    softmax or noise over the vocabulary (a greedy step's only pass over it is the argmax)."""
+    softmax or noise over the vocabulary (a greedy step's only pass over it is the argmax).
+    `greedy=True` compiles that argmax alone."""
     logits_RV, temperature_R = jnp.asarray(logits_RV), jnp.asarray(temperature_R)
+
+    def greedy_only():
+        return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
 
     def general():
         probs_RV = processed_probs(logits_RV, temperature_R, top_k_R, top_p_R)
         return sample_tokens(probs_RV, seeds_R, positions_R, TARGET_STREAM)
 
-    return lax.cond(jnp.all(temperature_R == 0), lambda: jnp.argmax(logits_RV, axis=-1).astype(jnp.int32), general)
+    return greedy_only() if greedy else lax.cond(jnp.all(temperature_R == 0), greedy_only, general)
 
 
-def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R):
+def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R, *, greedy: bool = False):
     """(draft_tokens_RN, draft_probs_RNV): draft j is drawn from q at draft row j.
 
     `positions_R` is the anchor's position (as in `rejection_sample`): draft j sits at
     positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j). When every row is
-    greedy this is an argmax (no softmax, no draws), with the same result.
+    greedy this is an argmax (no softmax, no draws), with the same result. `greedy=True`
+    compiles that argmax alone and returns None for the probabilities,
+    which greedy verification does not read.
     """
     draft_logits_RNV, temperature_R = jnp.asarray(draft_logits_RNV), jnp.asarray(temperature_R)
     num_drafts, vocab = draft_logits_RNV.shape[1:]
+    if greedy:
+        return jnp.argmax(draft_logits_RNV, axis=-1).astype(jnp.int32), None
 
-    def greedy_only():
+    def greedy_only():  # one-hot probabilities: both branches return the same structure
         tokens_RN = jnp.argmax(draft_logits_RNV, axis=-1).astype(jnp.int32)
         return tokens_RN, jax.nn.one_hot(tokens_RN, vocab, dtype=jnp.float32)
 
@@ -268,6 +282,8 @@ def rejection_sample(
     top_p_R,
     seeds_R,
     positions_R,
+    *,
+    greedy: bool = False,
 ):
     """Speculative verification: (tokens_RS int32, num_accepted_R int32).
 
@@ -291,19 +307,20 @@ def rejection_sample(
     cycle's anchor is y, positions_R = 12.
 
     When every row is greedy the softmax over V and the random draws are skipped; greedy
-    rows give the same result on either path.
+    rows give the same result on either path. `greedy=True` compiles that path alone, and
+    `draft_probs_RNV` may then be None.
     """
-    target_logits_RSV, draft_tokens_RN, draft_probs_RNV, num_drafts_R, temperature_R, seeds_R, positions_R = (
-        jnp.asarray(x)
-        for x in (target_logits_RSV, draft_tokens_RN, draft_probs_RNV, num_drafts_R, temperature_R, seeds_R, positions_R)
+    target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R = (
+        jnp.asarray(x) for x in (target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R)
     )
     num_rows, num_verify, vocab = target_logits_RSV.shape
     n = num_verify - 1
-    if n < 1 or draft_tokens_RN.shape != (num_rows, n) or draft_probs_RNV.shape != (num_rows, n, vocab):
+    draft_probs_RNV = None if draft_probs_RNV is None else jnp.asarray(draft_probs_RNV)
+    probs_shape = None if draft_probs_RNV is None else draft_probs_RNV.shape
+    if n < 1 or draft_tokens_RN.shape != (num_rows, n) or (probs_shape != (num_rows, n, vocab) and not greedy):
         raise ValueError(
             f"rejection_sample needs target logits [R, N+1, V] with N >= 1, draft tokens [R, N] and "
-            f"draft probs [R, N, V]; got {target_logits_RSV.shape}, {draft_tokens_RN.shape}, "
-            f"{draft_probs_RNV.shape}."
+            f"draft probs [R, N, V]; got {target_logits_RSV.shape}, {draft_tokens_RN.shape}, {probs_shape}."
         )
     rows_R = jnp.arange(num_rows)
     greedy_R = temperature_R == 0
@@ -331,7 +348,10 @@ def rejection_sample(
         sampled_R = sample_tokens(weights_RV, seeds_R, positions_R + accepted_R, TARGET_STREAM)
         return accepted_R, jnp.where(greedy_R, argmax_RS[rows_R, accepted_R], sampled_R)
 
-    accepted_R, next_R = lax.cond(jnp.all(greedy_R), greedy_only, general)
+    if greedy:
+        accepted_R, next_R = greedy_only()
+    else:
+        accepted_R, next_R = lax.cond(jnp.all(greedy_R), greedy_only, general)
     k_S = jnp.arange(num_verify)
     drafts_RS = jnp.pad(draft_tokens_RN.astype(jnp.int32), ((0, 0), (0, 1)))
     tokens_RS = jnp.where(

@@ -13,7 +13,7 @@ from dflash_jax import sampling
 
 P_MIN = 1e-3  # chi-square threshold; every test below uses fixed seeds, so none is flaky
 processed_probs = jax.jit(sampling.processed_probs)
-rejection_sample = jax.jit(sampling.rejection_sample)
+rejection_sample = jax.jit(sampling.rejection_sample, static_argnames="greedy")
 
 
 def reference_probs(logits_V, temperature, top_k, top_p):
@@ -234,6 +234,30 @@ def test_greedy_verification():
     )  # fmt: skip
     np.testing.assert_array_equal(tokens2[:rows], tokens)
     np.testing.assert_array_equal(accepted2[:rows], accepted)
+
+    # Compiled greedy-only (no draft probabilities at all): the same.
+    tokens3, accepted3 = rejection_sample(
+        logits, drafts, None, num_drafts, zeros, zeros.astype(np.int32), zeros + 1, np.arange(rows),
+        zeros.astype(np.int32), greedy=True,
+    )
+    np.testing.assert_array_equal(tokens3, tokens)
+    np.testing.assert_array_equal(accepted3, accepted)
+
+
+def test_static_greedy_sampling_matches_the_runtime_check():
+    logits = np.random.default_rng(8).normal(size=(3, 5, 40)).astype(np.float32)
+    zeros = np.zeros(3)
+    params = (zeros, zeros.astype(np.int32), zeros + 1, np.arange(3))
+    positions = np.array([4, 9, 2])
+    np.testing.assert_array_equal(sampling.sample_target(logits[:, 0], *params, positions, greedy=True),
+                                  sampling.sample_target(logits[:, 0], *params, positions))
+    tokens, probs = sampling.sample_drafts(logits, *params, positions)
+    tokens_static, probs_static = sampling.sample_drafts(logits, *params, positions, greedy=True)
+    np.testing.assert_array_equal(tokens_static, tokens)
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    assert probs_static is None and probs.shape == logits.shape
+    with pytest.raises(ValueError, match="draft probs"):  # sampling needs q
+        rejection_sample(logits, tokens[:, :4], None, np.full(3, 4), zeros, *params[1:], positions)
 
 
 def test_residual_all_zero_falls_back_to_p():
