@@ -83,6 +83,7 @@ import warnings
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
+from pallas_kernels.common import next_pow2  # noqa: E402  (after the path)
 
 TAUS = {"gsm8k": 6.55, "alpaca": 3.16}  # published mean acceptance, Qwen3-8B-DFlash-b16, greedy
 PAGE_SIZE = 16
@@ -125,10 +126,6 @@ def parse_points(text):
 
 def label(batch, context):
     return f"{batch}x{context // 1024}k" if context % 1024 == 0 else f"{batch}x{context}"
-
-
-def next_pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def ms(seconds):
@@ -481,7 +478,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
 
     def ar_step(models, cache, batch_):
         cache, logits, _ = target_step(models[0], cache, batch_, (), impl)
-        return cache, sampling.sample_target(logits, *sampling_R, start_R)
+        return cache, sampling.sample_target(logits, *sampling_R, start_R, greedy=True)
 
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (batch, max(opts.block_sizes))), jnp.int32)
     out = {"ar_step": timed(ar_step, target_cache(), block_batch(tokens[:, :1], start_R, table, PAGE_SIZE), big),
@@ -496,7 +493,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
                                      jnp.float32).astype(target.dtype)
         draft_logits = jax.random.normal(k2, (batch, num_drafts, tcfg.vocab_size), jnp.float32)
         verify_logits = jax.random.normal(k3, (batch, block, tcfg.vocab_size), jnp.float32)
-        drafts = sampling.sample_drafts(draft_logits, *sampling_R, start_R)
+        drafts = sampling.sample_drafts(draft_logits, *sampling_R, start_R, greedy=True)
         layout_args = dict(num_rejected_R=jnp.full((batch,), num_drafts, jnp.int32),
                            num_sampled_R=jnp.ones_like(zeros_R), last_sampled_R=tokens[:, 0],
                            next_prefill_tokens_R=zeros_R, shape=shape)
@@ -516,12 +513,13 @@ def section_steps(pair, batch, context, impl, opts, rng):
             return draft_block(models[0], models[1], caches, tables, layouts_, shape)
 
         def sample(models, carry, logits):
-            return carry, sampling.sample_drafts(logits, *sampling_R, start_R)
+            return carry, sampling.sample_drafts(logits, *sampling_R, start_R, greedy=True)
 
         def accept(models, carry, inputs, num_drafts=num_drafts):
             logits, (draft_tokens, probs) = inputs
             return carry, sampling.rejection_sample(logits, draft_tokens, probs,
-                                                    jnp.full((batch,), num_drafts, jnp.int32), *sampling_R, start_R)
+                                                    jnp.full((batch,), num_drafts, jnp.int32), *sampling_R, start_R,
+                                                    greedy=True)
 
         parts = {
             "layout": timed(layout, (), verify_batch, small),
@@ -960,7 +958,7 @@ def main(argv=None):
     import jax
     import numpy as np
 
-    from pallas_kernels.paged_attention import TRITON_DEPRECATION
+    from pallas_kernels.common import TRITON_DEPRECATION
 
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import RopeConfig
+from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
 _default_kernel_init = nnx.initializers.normal(stddev=0.02)
 
@@ -59,9 +61,15 @@ class RMSNorm(nnx.Module):
         )
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return add_rms_norm_reference(x, None, self.weight[...], self.eps)[1]
+
+    def add_norm(self, x_TD, delta_TD):
+        """(x + delta, this norm of it): a residual-stream update fused with the pre-norm that
+        reads it (with `delta_TD` None, (x, norm(x))). On a GPU one Pallas kernel (XLA makes
+        three); `DFLASH_NORM_IMPL=reference` (read when a program is traced) keeps the jnp path."""
+        if os.environ.get("DFLASH_NORM_IMPL", "auto") == "reference" or jax.default_backend() != "gpu":
+            return add_rms_norm_reference(x_TD, delta_TD, self.weight[...], self.eps)
+        return add_rms_norm_pallas(x_TD, delta_TD, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
@@ -191,11 +199,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_TD, positions_T, attend):
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x_TD), positions_T)
+    def __call__(self, x_TD, delta_TD, positions_T, attend):
+        """(x, delta) -> (x', delta'). The layer's input is x + delta (delta None: x), summed by
+        its first norm; x' is the residual stream after attention and delta' the MLP's update.
+        The layer's output x' + delta' is left for the norm that reads it next to sum (the
+        next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
+        x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD)
+        q, k, v = self.self_attn.qkv(h_TD, positions_T)
         a_TNH = attend(q, k, v)
-        x_TD = x_TD + self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1))
-        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        x_TD, h_TD = self.post_attention_layernorm.add_norm(x_TD, self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1)))
+        return x_TD, self.mlp(h_TD)
 
 
 def apply_rope(x_TNH, positions_T, rope: RopeConfig):

@@ -14,10 +14,6 @@ from dflash_jax.config import DrafterConfig
 INT32_MAX = 2**31 - 1
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
     """The block size to draft with: the trained B by default, anything in [2, B]."""
     trained = drafter.block_size

@@ -47,13 +47,14 @@ from static-shape buffers without stale values.
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2
 
 IMPLS = ("auto", "pallas", "triton", "reference")
 
@@ -114,13 +115,13 @@ class _Config:
 
     @property
     def query_block(self):
-        return _next_pow2(self.query_len)
+        return next_pow2(self.query_len)
 
     @property
     def row_block(self):
         """Context rows per step of a request program: about one request's share of T."""
         share = -(-self.num_target_rows // self.num_reqs)
-        return min(256, max(16, _next_pow2(share)))
+        return min(256, max(16, next_pow2(share)))
 
     @property
     def programs_per_req(self):
@@ -128,10 +129,6 @@ class _Config:
         row_blocks = max(1, -(-self.num_target_rows // self.row_block))
         spread = min(row_blocks, _TARGET_PROGRAMS // (self.num_reqs + 1))
         return max(_MIN_PROGRAMS_PER_REQ, spread)
-
-
-def _next_pow2(n):
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
 def cp_local_slot(pos, block_id, cp_rank, cfg):

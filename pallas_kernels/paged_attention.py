@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -71,27 +69,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from dflash_jax.attention import position_mask
 from dflash_jax.config import LayerAttention
-
-# jax 0.11 warns at every Triton-backend lowering; the kernel still compiles and runs.
-TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
-                      r" a future JAX version\.")
+from pallas_kernels.common import is_pow2, next_pow2, quiet_triton_deprecation
 
 _NEG_INIT = -1e30  # running max before any key (as the jnp reference)
-
-
-def _quiet_triton_deprecation():
-    """Ignore exactly the Triton-deprecation DeprecationWarning when the kernel is traced for
-    the GPU (it fires when the surrounding jit lowers, after this call; re-adding the same
-    filter replaces it, so each trace re-installs it after a `catch_warnings` reset)."""
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +99,7 @@ class _Config:
 
     @property
     def group_pad(self):
-        return _next_pow2(self.group)
+        return next_pow2(self.group)
 
     @property
     def block_rows(self):  # M
@@ -135,9 +115,9 @@ def default_block_q(num_tokens: int, num_rows: int, group: int, f32: bool = Fals
     head_dim 64) ran a 16-token DFlash cycle at 9.2 ms with 64-row blocks against 3.0 ms for
     8-token cycles (32-row blocks) and 3.8 ms with the jnp reference; the cap makes a 16-token
     block two 32-row blocks (not yet timed on the GPU)."""
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     low, high = max(1, 16 // group_pad), max(1, (32 if f32 else 128) // group_pad)
-    return min(max(_next_pow2(-(-num_tokens // max(1, num_rows))), low), high)
+    return min(max(next_pow2(-(-num_tokens // max(1, num_rows))), low), high)
 
 
 def max_query_blocks(num_tokens: int, num_rows: int, block_q: int) -> int:
@@ -155,7 +135,7 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
     a few programs over long rows are latency-bound: on the H200 a batch-1 decode step at 8k
     keys spent 150 us per layer unsplit (bench/results/2026-11-29-qwen3-8b-shape-h200.md).
     Splits past a row's real length exit at once."""
-    return max(1, min(16, 32 // _next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
+    return max(1, min(16, 32 // next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
 
 
 def default_block_k(block_rows: int) -> int:
@@ -182,7 +162,7 @@ def query_blocks(q_req_T, block_q: int) -> QueryBlocks:
     ``block_q`` tokens within a run of one row (see the module docstring's example).
     Depends only on ``q_req_T``: compute it once per step and pass it to every layer.
     """
-    if not _is_pow2(block_q):
+    if not is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two, got {block_q}.")
     q_req_T = jnp.asarray(q_req_T, jnp.int32)
     num_tokens = q_req_T.shape[0]
@@ -296,7 +276,7 @@ def _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positi
     if Hk != H or K < 1 or N % K:
         raise ValueError(f"q heads {N} x {H} do not group over kv heads {K} x {Hk}: need the "
                          "same head_dim and num_heads a multiple of num_kv_heads.")
-    if not _is_pow2(H) or H < 16:
+    if not is_pow2(H) or H < 16:
         raise ValueError(f"head_dim {H} must be a power of two >= 16 for the Pallas kernel; "
                          "use dflash_jax.attention.paged_attention for other sizes.")
     dtypes = {q_TNH.dtype, k_slots_XKH.dtype, v_slots_XKH.dtype}
@@ -314,7 +294,7 @@ def _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positi
     if page_size < 1:
         raise ValueError(f"page_size must be at least 1, got {page_size}.")
     for name, value in (("block_q", block_q), ("block_k", block_k), ("kv_splits", kv_splits)):
-        if value is not None and not _is_pow2(value):
+        if value is not None and not is_pow2(value):
             raise ValueError(f"{name} must be a power of two, got {value}.")
     if block_k is not None and block_k < 16:
         raise ValueError(f"block_k must be at least 16 (a Triton dot dimension), got {block_k}.")
@@ -371,7 +351,7 @@ def paged_attention_pallas(
     group = N // K
     if block_q is None:
         block_q = default_block_q(T, R, group, f32=q_TNH.dtype == jnp.float32)
-    block_q = max(block_q, 16 // _next_pow2(group))   # at least 16 dot rows
+    block_q = max(block_q, 16 // next_pow2(group))   # at least 16 dot rows
     cfg = _Config(
         num_tokens=T, num_heads=N, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
@@ -387,7 +367,7 @@ def paged_attention_pallas(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if not interpret:
-        _quiet_triton_deprecation()
+        quiet_triton_deprecation()
     if num_warps is None:
         num_warps = 8 if cfg.block_rows >= 128 else 4
     S = kv_splits

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from dflash_jax.attention import paged_attention
 from dflash_jax.config import LayerAttention
 from pallas_kernels.paged_attention import (
-    TRITON_DEPRECATION,
     default_block_q,
     default_kv_splits,
     paged_attention_pallas,
     query_blocks,
 )
+from pallas_kernels.common import TRITON_DEPRECATION
 
 reference = jax.jit(paged_attention,
                     static_argnames=("page_size", "rule", "token_tile", "key_chunk"))

@@ -58,12 +58,12 @@ class Target(nnx.Module):
 
     def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = ()):
         """Returns (final-normed hidden [T, D], outputs of `layer_ids` concatenated [T, n*D])."""
-        x_TD = self.embed(token_ids_T)
+        x_TD, delta_TD = self.embed(token_ids_T), None
         wanted = {layer_id: None for layer_id in layer_ids}
         for i, layer in enumerate(self.layers):
-            x_TD = layer(x_TD, positions_T, lambda q, k, v, i=i: attend(i, q, k, v))
-            if i in wanted:
-                wanted[i] = x_TD
+            x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, lambda q, k, v, i=i: attend(i, q, k, v))
+            if i in wanted:  # the layer's output (this sum fuses into the concatenation below)
+                wanted[i] = x_TD + delta_TD
         features = [wanted[layer_id] for layer_id in layer_ids]
         features_TF = jnp.concatenate(features, axis=-1) if features else x_TD[:, :0]
-        return self.norm(x_TD), features_TF
+        return self.norm.add_norm(x_TD, delta_TD)[1], features_TF

@@ -30,7 +30,7 @@ It has no embedding or LM head of its own: load it next to its target.
 ```json
 {json.dumps(data_meta, indent=2)}
 ```
-- steps: {result.steps_done}, batch {run.get('batch_size')} sequences, max length {run.get('max_length')}
+{f"- started from: {run['init']}" + chr(10) if run.get('init') else ""}- steps: {result.steps_done}, batch {run.get('batch_size')} sequences, max length {run.get('max_length')}
 - hyperparameters:
 ```json
 {json.dumps(dataclasses.asdict(hp), indent=2)}
