@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--num-eval", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-batch", type=int, default=256)
+    parser.add_argument("--init-drafter", type=Path,
+                        help="fine-tune this drafter (z-lab format) instead of training a new one of --layers")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate-size", type=int, default=1536)
     parser.add_argument("--block-size", type=int, default=16)
@@ -159,15 +161,19 @@ def main() -> None:
                     "seconds": round(time.perf_counter() - t0, 1)})
 
     t0 = time.perf_counter()
-    cfg = new_drafter_config(
-        target.cfg, mask_token_id=MASK_TOKEN_ID, num_layers=args.layers, block_size=args.block_size,
-        intermediate_size=args.intermediate_size,
-    )
+    if args.init_drafter:
+        drafter = dflash_jax.load_drafter(args.init_drafter, dtype="float32")
+    else:
+        drafter = Drafter(new_drafter_config(
+            target.cfg, mask_token_id=MASK_TOKEN_ID, num_layers=args.layers, block_size=args.block_size,
+            intermediate_size=args.intermediate_size,
+        ), rngs=nnx.Rngs(0))
+    cfg = drafter.cfg
     hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors,
                      soft_label_weight=args.soft_labels)
     budget = None if args.stop_training_after is None else max(0.0, 60 * args.stop_training_after - (time.perf_counter() - start))
     result = train_drafter(
-        target, Drafter(cfg, rngs=nnx.Rngs(0)), dataset, hp, args.out / "train",
+        target, drafter, dataset, hp, args.out / "train",
         batch_size=args.batch_size, max_length=args.max_length, checkpoint_every=args.checkpoint_every,
         progress=False, time_budget_s=budget,
     )
@@ -185,7 +191,8 @@ def main() -> None:
             shutil.rmtree(export_dir)
         export_hf(result.drafter, export_dir, dtype="bfloat16", max_shard_bytes=15 << 20)
         write_model_card(export_dir, result, hp, dataset.meta, target="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-                         batch_size=args.batch_size, max_length=args.max_length)
+                         batch_size=args.batch_size, max_length=args.max_length,
+                         init=args.init_drafter and f"the drafter in {args.init_drafter.name}")
     drafter = dflash_jax.load_drafter(export_dir, dtype="float32")
 
     acceptance, by_domain = {}, {}
