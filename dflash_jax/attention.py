@@ -75,13 +75,17 @@ def paged_attention(
 
     Work and memory follow the batch's real lengths, not the block table's width: tokens go
     in tiles, and each tile walks its keys in chunks (an online softmax) for as many chunks
-    as its longest row needs, so gathered keys stay `[tile, key_chunk, K, H]`.
+    as its longest row needs, so gathered keys stay `[tile, key_chunk, K, H]`. With a single
+    block-table row (batch 1: a verify or draft block, a prompt) every token reads the same
+    keys, gathered once per chunk as `[key_chunk, K, H]`: on a CPU the per-token gathers made
+    each verified row cost ~3 ms more per SmolLM2 step.
     """
     num_tokens, num_heads, head_dim = q_TNH.shape
     num_kv_heads = k_slots_XKH.shape[1]
     group = num_heads // num_kv_heads
     chunk = max(1, key_chunk // page_size) * page_size
     last_page = block_table_RM.shape[1] - 1
+    one_row = block_table_RM.shape[0] == 1
 
     def attend_tile(args):
         q_tNH, pos_t, req_t = args
@@ -93,17 +97,24 @@ def paged_attention(
         def one_chunk(c, carry):
             max_tKG, sum_tKG, acc_tKGH = carry
             key_pos_C = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            pages_tC = jnp.broadcast_to(jnp.minimum(key_pos_C // page_size, last_page), (tile, chunk))
-            slots_tC = jnp.take_along_axis(table_tM, pages_tC, axis=-1) * page_size + key_pos_C % page_size
-            k_tCKH, v_tCKH = k_slots_XKH[slots_tC], v_slots_XKH[slots_tC]
+            pages_C = jnp.minimum(key_pos_C // page_size, last_page)
+            if one_row:  # keys shared by every token: [C, K, H]
+                slots = block_table_RM[0, pages_C] * page_size + key_pos_C % page_size
+                keys, key_dims = k_slots_XKH[slots], "ckh"
+                values = v_slots_XKH[slots]
+            else:  # keys of each token's own row: [t, C, K, H]
+                slots = (jnp.take_along_axis(table_tM, jnp.broadcast_to(pages_C, (tile, chunk)), axis=-1) * page_size
+                         + key_pos_C % page_size)
+                keys, key_dims = k_slots_XKH[slots], "tckh"
+                values = v_slots_XKH[slots]
             mask_tC = position_mask(pos_t, key_pos_C, rule) & (key_pos_C[None] < seq_len_t[:, None])
-            scores = jnp.einsum("tkgh,tckh->tkgc", q_tKGH, k_tCKH, preferred_element_type=jnp.float32)
+            scores = jnp.einsum(f"tkgh,{key_dims}->tkgc", q_tKGH, keys, preferred_element_type=jnp.float32)
             scores = jnp.where(mask_tC[:, None, None], scores * head_dim**-0.5, -jnp.inf)
             new_max = jnp.maximum(max_tKG, jnp.max(scores, axis=-1, initial=-1e30))
             probs = jnp.exp(scores - new_max[..., None])
             rescale = jnp.exp(max_tKG - new_max)
             acc_tKGH = acc_tKGH * rescale[..., None] + jnp.einsum(
-                "tkgc,tckh->tkgh", probs.astype(v_tCKH.dtype), v_tCKH, preferred_element_type=jnp.float32
+                f"tkgc,{key_dims}->tkgh", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
             )
             return new_max, sum_tKG * rescale + probs.sum(-1), acc_tKGH
 
