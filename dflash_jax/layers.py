@@ -180,21 +180,14 @@ class Attention(nnx.Module):
         return slice(self.cfg.num_heads * self.cfg.head_dim, None)
 
     def qkv(self, x_TD, positions_T):
-        """Queries, keys and values of `x_TD`, normed and rotated: ready to cache.
-
-        Query and key heads are normed and rotated together, as one [T, N + K, H] array (the
-        same per-head arithmetic as `q_norm` and `finish_kv` apart): one reduction and one
-        rotation for XLA to fuse instead of two of each."""
+        """Queries, keys and values of `x_TD`, normed and rotated: ready to cache."""
         cfg = self.cfg
-        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_TXH = self.qkv_proj(x_TD).reshape(-1, n + 2 * k, h)
-        qk_TYH, v_TKH = qkv_TXH[:, : n + k], qkv_TXH[:, n + k :]
+        n, k = cfg.num_heads, cfg.num_kv_heads
+        qkv_TXH = self.qkv_proj(x_TD).reshape(-1, n + 2 * k, cfg.head_dim)
+        q_TNH, k_TKH, v_TKH = qkv_TXH[:, :n], qkv_TXH[:, n : n + k], qkv_TXH[:, n + k :]
         if self.qk_norm:
-            weight_YH = jnp.concatenate([jnp.broadcast_to(self.q_norm.weight[...], (n, h)),
-                                         jnp.broadcast_to(self.k_norm.weight[...], (k, h))])
-            qk_TYH = add_rms_norm_reference(qk_TYH, None, weight_YH, cfg.rms_norm_eps)[1]
-        qk_TYH = apply_rope(qk_TYH, positions_T, cfg.rope)
-        return qk_TYH[:, :n], qk_TYH[:, n:], v_TKH
+            q_TNH = self.q_norm(q_TNH)
+        return (apply_rope(q_TNH, positions_T, cfg.rope), *self.finish_kv(k_TKH, v_TKH, positions_T))
 
 
 class DecoderLayer(nnx.Module):
