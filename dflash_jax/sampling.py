@@ -248,8 +248,8 @@ def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, po
     `positions_R` is the anchor's position (as in `rejection_sample`): draft j sits at
     positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j). When every row is
     greedy this is an argmax (no softmax, no draws), with the same result. `greedy=True`
-    compiles that argmax alone and returns None for the probabilities,
-    which greedy verification does not read.
+    compiles that argmax alone and returns None for the probabilities, which greedy
+    verification does not read.
     """
     draft_logits_RNV, temperature_R = jnp.asarray(draft_logits_RNV), jnp.asarray(temperature_R)
     num_drafts, vocab = draft_logits_RNV.shape[1:]
