@@ -20,6 +20,7 @@ from flax import nnx
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.forward import block_logits, target_logits_and_features
+from pallas_kernels.common import next_pow2
 
 
 def speculative_greedy(target: Target, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int):
@@ -28,7 +29,7 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: Sequence[int], 
     if len(prompt) == 0 or max_new_tokens < 1:
         raise ValueError("give a non-empty prompt and max_new_tokens >= 1.")
     block_size = drafter.cfg.block_size
-    size = 1 << (len(prompt) + max_new_tokens + block_size - 1).bit_length()
+    size = next_pow2(len(prompt) + max_new_tokens + block_size)
     buffer_L = np.zeros(size, np.int32)
     buffer_L[: len(prompt)] = prompt
     target_graph, target_state = nnx.split(target)
