@@ -110,5 +110,6 @@ def add_rms_norm_pallas(x_TD, delta_TD, weight_D, eps: float, *, interpret: bool
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if delta_TD is not None and (delta_TD.shape != x_TD.shape or delta_TD.dtype != x_TD.dtype):
-        raise ValueError(f"delta must match x; got {delta_TD.shape} {delta_TD.dtype} vs {x_TD.shape} {x_TD.dtype}.")
+        raise ValueError(f"delta must match x; got {delta_TD.shape} {delta_TD.dtype} vs {x_TD.shape} {x_TD.dtype}: "
+                         "pass a delta of x's shape and dtype (cast it first), or None for a plain norm.")
     return _differentiable(x_TD, delta_TD, weight_D, eps, interpret)
