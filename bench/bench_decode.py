@@ -105,6 +105,20 @@ DRAFTER_SMALL = dict(DRAFTER_8B, vocab_size=1024, hidden_size=256, intermediate_
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                      num_target_layers=4, dflash_config=dict(mask_token_id=1023, target_layer_ids=[1, 2],
                                                              block_size=16))
+# --model smollm2-135m: SmolLM2-135M-Instruct's shape (Llama, tied head) with a drafter shaped
+# like the shipped one (dflash_jax/assets/smollm2-135m-drafter): the launch-bound end.
+TARGET_SMOLLM2 = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+    rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True,
+)
+DRAFTER_SMOLLM2 = dict(DRAFTER_8B, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=5,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                       max_position_embeddings=8192, num_target_layers=30,
+                       dflash_config=dict(mask_token_id=16, target_layer_ids=[1, 8, 14, 20, 27], block_size=16))
+MODELS = {"qwen3-8b": ("Qwen3-8B shape", TARGET_8B, DRAFTER_8B),
+          "smollm2-135m": ("SmolLM2-135M shape", TARGET_SMOLLM2, DRAFTER_SMOLLM2),
+          "small": ("small CPU shapes", TARGET_SMALL, DRAFTER_SMALL)}
 # Issue 6's order of importance: its targets are at 1x1k and 32x1k.
 POINTS_FULL = "1x1k,32x1k,8x1k,1x8k,128x1k,8x8k,32x8k,128x8k"  # 128x8k: K/V alone ~180 GB
 POINTS_QUICK = "1x1k,32x1k"
@@ -240,9 +254,10 @@ class Pair:
     lm_head_bytes: int
 
 
-def build_pair(small, seed=0):
-    target = random_model(TARGET_SMALL if small else TARGET_8B, seed)
-    drafter = random_model(DRAFTER_SMALL if small else DRAFTER_8B, seed + 1)
+def build_pair(model, seed=0):
+    _, target_config, drafter_config = MODELS[model]
+    target = random_model(target_config, seed)
+    drafter = random_model(drafter_config, seed + 1)
     cfg = target.cfg
     return Pair(target, drafter, param_bytes(target, skip_embedding=True), param_bytes(drafter),
                 cfg.vocab_size * cfg.hidden_size * 2)
@@ -770,7 +785,7 @@ def fmt(value, digits=2):
 def report(run):
     lines = []
     info = run["versions"]
-    lines.append(f"# Decode benchmark: {'small CPU shapes' if run['small'] else 'Qwen3-8B shape'}, "
+    lines.append(f"# Decode benchmark: {MODELS[run.get('model', 'qwen3-8b')][0]}, "
                  f"{info['device']}")
     lines.append("")
     lines.append(f"Date {run['date']}; commit `{run['commit']}`; jax {info['jax']} ({info['backend']}), "
@@ -871,7 +886,7 @@ def report(run):
                              f"| {fmt(per.get('memcpy'), 1)} | {fmt(per.get('memcpy_dtoh'), 1)} |")
             if profile.get("error"):
                 lines.append(f"\nProfile error ({profile.get('attention_impl')}): {profile['error']}")
-    if not run["small"]:
+    if run.get("model", "qwen3-8b") == "qwen3-8b":
         lines += ["", "## Issue 6 targets", "", "| target | measured | met |", "|---|---|---|"]
         for target in targets(run):
             lines.append(f"| {target[0]} | {target[1]} | {target[2]} |")
@@ -924,7 +939,8 @@ def targets(run):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="decode.json", help="JSON results (the markdown goes beside it, .md)")
-    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test (--model small)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b", help="the random models' shapes")
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
@@ -992,12 +1008,13 @@ def main(argv=None):
 
     run = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                commit=opts.commit or commit_of(REPO), versions=versions(), small=small,
+               model="small" if small else opts.model,
                command="python bench/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
                env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                    "XLA_FLAGS")},
+                                                    "XLA_FLAGS", "DFLASH_NORM_IMPL", "DFLASH_HEADS_IMPL")},
                points=[], skipped=[], timeline=[])
 
     def save():
@@ -1012,11 +1029,11 @@ def main(argv=None):
 
     print(json.dumps(run["versions"]), flush=True)
     t0 = time.perf_counter()
-    pair = build_pair(small)
+    pair = build_pair(run["model"])
     note(f"models built on the device in {time.perf_counter() - t0:.1f} s")
     run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,
-               lm_head_bytes=pair.lm_head_bytes, target_config=TARGET_SMALL if small else TARGET_8B,
-               drafter_config=DRAFTER_SMALL if small else DRAFTER_8B)
+               lm_head_bytes=pair.lm_head_bytes, target_config=MODELS[run["model"]][1],
+               drafter_config=MODELS[run["model"]][2])
     copy_bytes = int((opts.copy_gb or (0.0625 if small else 4.0)) * 2**30)
     run["copy_rates_Bps"] = copy_bandwidth(copy_bytes)
     run["copy_Bps"] = max(run["copy_rates_Bps"].values())

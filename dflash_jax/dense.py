@@ -16,6 +16,7 @@ from flax import nnx
 
 from dflash_jax.attention import dense_attention, position_mask
 from dflash_jax.config import LayerAttention, check_drafter_fits_target
+from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
 
 CAUSAL = LayerAttention(causal=True)
@@ -53,7 +54,7 @@ def _target_forward(graphdef, state, ids_T, layer_ids):
     def attend(layer_idx, q, k, v):
         return dense_attention(q, k, v, mask_TT)
 
-    hidden_TD, features_TF = target(ids_T, positions_T, attend, layer_ids=layer_ids)
+    hidden_TD, features_TF = target(ids_T, positions_T, finishing(attend), layer_ids=layer_ids)
     return target.unembed(hidden_TD), features_TF
 
 
@@ -96,5 +97,5 @@ def _draft_logits(target_graph, target_state, drafter_graph, drafter_state, feat
             q, jnp.concatenate([ctx_k, k]), jnp.concatenate([ctx_v, v]), mask
         )
 
-    hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, attend)
+    hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, finishing(attend))
     return drafter.logits(target.unembed, hidden_BD[1:].astype(target.dtype))

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.finish_heads import write_slots
+
+if TYPE_CHECKING:
+    from dflash_jax.layers import ProjectedHeads
 
 NULL_PAGE = 0
 PAD_SLOT = -1
@@ -52,9 +58,16 @@ class PagedKVCache:
 
     def write(self, layer: int, slots_T, k_TKH, v_TKH) -> PagedKVCache:
         """Scatter one layer's new K/V rows to their slots; pad slots (< 0) are dropped."""
-        slots_T = jnp.where(slots_T < 0, self.num_slots, slots_T)  # out of range -> dropped
-        k = self.k[layer].at[slots_T].set(k_TKH.astype(self.k[layer].dtype), mode="drop")
-        v = self.v[layer].at[slots_T].set(v_TKH.astype(self.v[layer].dtype), mode="drop")
+        return self._with_layer(layer, write_slots(self.k[layer], slots_T, k_TKH),
+                                write_slots(self.v[layer], slots_T, v_TKH))
+
+    def write_heads(self, layer: int, slots_T, heads: ProjectedHeads) -> tuple[jax.Array, PagedKVCache]:
+        """(queries, cache): a layer's projected heads finished, keys and values written to
+        `slots_T` (one fused kernel on a GPU, `ProjectedHeads.finish_into`)."""
+        q_TNH, k, v = heads.finish_into(slots_T, self.k[layer], self.v[layer])
+        return q_TNH, self._with_layer(layer, k, v)
+
+    def _with_layer(self, layer: int, k, v) -> PagedKVCache:
         return dataclasses.replace(
             self,
             k=self.k[:layer] + (k,) + self.k[layer + 1 :],

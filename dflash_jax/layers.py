@@ -9,9 +9,11 @@ be attached later without touching the modules: "vocab", "embed" (model dim), "q
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,18 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import RopeConfig
+from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference, finish_qkv_reference, rotate
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
 _default_kernel_init = nnx.initializers.normal(stddev=0.02)
+
+
+def use_gpu_kernel(env_var: str) -> bool:
+    """Whether a fused Pallas kernel replaces its jnp reference in programs traced now: on a
+    GPU unless `env_var` is "reference" (an A/B switch); "pallas" forces it elsewhere too
+    (interpret mode: tests of the fused path on CPU)."""
+    impl = os.environ.get(env_var, "auto")
+    return impl == "pallas" or (impl != "reference" and jax.default_backend() == "gpu")
 
 
 def logical(initializer, axes: tuple[str | None, ...]):
@@ -66,10 +77,9 @@ class RMSNorm(nnx.Module):
     def add_norm(self, x_TD, delta_TD):
         """(x + delta, this norm of it): a residual-stream update fused with the pre-norm that
         reads it (with `delta_TD` None, (x, norm(x))). On a GPU one Pallas kernel (XLA makes
-        three); `DFLASH_NORM_IMPL=reference` (read when a program is traced) keeps the jnp path."""
-        if os.environ.get("DFLASH_NORM_IMPL", "auto") == "reference" or jax.default_backend() != "gpu":
-            return add_rms_norm_reference(x_TD, delta_TD, self.weight[...], self.eps)
-        return add_rms_norm_pallas(x_TD, delta_TD, self.weight[...], self.eps)
+        three); `DFLASH_NORM_IMPL` switches it (`use_gpu_kernel`)."""
+        norm = add_rms_norm_pallas if use_gpu_kernel("DFLASH_NORM_IMPL") else add_rms_norm_reference
+        return norm(x_TD, delta_TD, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
@@ -150,8 +160,9 @@ def _yarn_frequencies(rope: RopeConfig, head_dim: int, inv_freq: np.ndarray):
 class Attention(nnx.Module):
     """Q/K/V/O projections with optional per-head q/k RMSNorm (Qwen3) and RoPE.
 
-    It computes no attention itself: `qkv` returns rotated queries, keys and values for the
-    caller's `attend`, and `o_proj` takes the result back to the model dimension.
+    It computes no attention itself: `project` hands the caller's `attend` the heads as
+    `ProjectedHeads`, which that caller finishes (norm, RoPE) with or without a cache write,
+    and `o_proj` takes the result back to the model dimension.
     """
 
     def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
@@ -179,19 +190,53 @@ class Attention(nnx.Module):
         """The key and value columns of `qkv_proj` (keys first)."""
         return slice(self.cfg.num_heads * self.cfg.head_dim, None)
 
-    def qkv(self, x_TD, positions_T):
-        """Queries, keys and values of `x_TD`, normed and rotated: ready to cache."""
+    def project(self, x_TD, positions_T) -> ProjectedHeads:
         cfg = self.cfg
-        n, k = cfg.num_heads, cfg.num_kv_heads
-        qkv_TXH = self.qkv_proj(x_TD).reshape(-1, n + 2 * k, cfg.head_dim)
-        q_TNH, k_TKH, v_TKH = qkv_TXH[:, :n], qkv_TXH[:, n : n + k], qkv_TXH[:, n + k :]
-        if self.qk_norm:
-            q_TNH = self.q_norm(q_TNH)
-        return (apply_rope(q_TNH, positions_T, cfg.rope), *self.finish_kv(k_TKH, v_TKH, positions_T))
+        qkv_TXH = self.qkv_proj(x_TD).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        return ProjectedHeads(qkv_TXH, positions_T, self)
+
+    def finish_args(self, positions_T) -> tuple:
+        """(cos, sin, q-norm weight, k-norm weight, eps) for `pallas_kernels.finish_heads`."""
+        weights = (self.q_norm.weight[...], self.k_norm.weight[...]) if self.qk_norm else (None, None)
+        return (*rope_table(positions_T, self.cfg.rope, self.cfg.head_dim), *weights, self.cfg.rms_norm_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectedHeads:
+    """One layer's query, key and value heads straight out of `qkv_proj` ([T, N + 2K, H]), not
+    yet normed or rotated. The caller that owns the cache finishes them: `finish()` for dense
+    attention, `finish_into` to write keys and values to a paged cache as well (one Pallas
+    kernel on a GPU instead of ~7 small XLA kernels)."""
+
+    qkv_TXH: jax.Array
+    positions_T: jax.Array
+    attention: Attention
+
+    def finish(self):
+        """(queries [T, N, H], keys [T, K, H], values [T, K, H]), normed and rotated."""
+        args = self.attention.finish_args(self.positions_T)
+        return finish_qkv_reference(self.qkv_TXH, *args, num_heads=self.attention.cfg.num_heads)
+
+    def finish_into(self, slots_T, k_cache_SKH, v_cache_SKH):
+        """(queries, key cache, value cache) with this layer's keys and values written to
+        `slots_T` (< 0: padding, not written); `DFLASH_HEADS_IMPL` switches the kernel
+        (`use_gpu_kernel`)."""
+        finish = finish_heads_pallas if use_gpu_kernel("DFLASH_HEADS_IMPL") else finish_heads_reference
+        return finish(self.qkv_TXH, *self.attention.finish_args(self.positions_T), slots_T, k_cache_SKH, v_cache_SKH,
+                      num_heads=self.attention.cfg.num_heads)
+
+
+# attend(layer_idx, heads) -> attention output [T, N, H]
+AttendFn = Callable[[int, ProjectedHeads], jax.Array]
+
+
+def finishing(attend_qkv: Callable) -> AttendFn:
+    """An `attend(layer_idx, heads)` from a dense `attend_qkv(layer_idx, q, k, v)` (no cache)."""
+    return lambda layer_idx, heads: attend_qkv(layer_idx, *heads.finish())
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(q, k, v)`."""
+    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`."""
 
     def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
@@ -205,20 +250,18 @@ class DecoderLayer(nnx.Module):
         The layer's output x' + delta' is left for the norm that reads it next to sum (the
         next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD)
-        q, k, v = self.self_attn.qkv(h_TD, positions_T)
-        a_TNH = attend(q, k, v)
+        a_TNH = attend(self.self_attn.project(h_TD, positions_T))
         x_TD, h_TD = self.post_attention_layernorm.add_norm(x_TD, self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1)))
         return x_TD, self.mlp(h_TD)
 
 
+def rope_table(positions_T, rope: RopeConfig, head_dim: int):
+    """(cos, sin) [T, head_dim / 2] float32 of `positions_T`'s angles, times the rope scale."""
+    inv_freq, scale = rope_frequencies(rope, head_dim)
+    angles_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles_TF) * scale, jnp.sin(angles_TF) * scale
+
+
 def apply_rope(x_TNH, positions_T, rope: RopeConfig):
     """Rotate `x_TNH` ([tokens, heads, head_dim]) by the angles of `positions_T` (neox style)."""
-    inv_freq, scale = rope_frequencies(rope, x_TNH.shape[-1])
-    angles_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    angles_TH = jnp.concatenate([angles_TF, angles_TF], axis=-1)
-    cos = (jnp.cos(angles_TH) * scale)[:, None, :]
-    sin = (jnp.sin(angles_TH) * scale)[:, None, :]
-    x = x_TNH.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated * sin).astype(x_TNH.dtype)
+    return rotate(x_TNH, *rope_table(positions_T, rope, x_TNH.shape[-1]))

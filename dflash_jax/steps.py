@@ -59,9 +59,9 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
         group=target.cfg.num_heads // target.cfg.num_kv_heads, dtype=target.dtype,
     )
 
-    def attend(layer, q, k, v):
+    def attend(layer, heads):
         nonlocal cache
-        cache = cache.write(layer, batch.slots, k, v)
+        q, cache = cache.write_heads(layer, batch.slots, heads)
         return paged_attention(
             q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.block_table, seq_lens_R,
             page_size=cache.page_size, rule=CAUSAL,
@@ -201,9 +201,9 @@ def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts:
         dtype=drafter.dtype,
     )
 
-    def attend(layer, q, k, v):
+    def attend(layer, heads):
         group, index = groups.group_of(layer)
-        cache = caches[group].write(index, layouts[group].query_slot_mapping, k, v)
+        q, cache = caches[group].write_heads(index, layouts[group].query_slot_mapping, heads)
         caches[group] = cache
         return paged_attention(
             q, layout.query_positions, query_rows, cache.k[index], cache.v[index], block_tables[group],

@@ -4,11 +4,12 @@ The drafter owns no embedding and no LM head: callers embed the block with the t
 and unembed with the target's head. Context tokens contribute keys and values only, computed
 once from `hidden_norm(fc(features))` for all layers in one fused projection
 (`context_kv`); block tokens run through the layers and attend to [context | block] through an
-`attend(layer_idx, q, k, v)` callable that applies the layer's mask rule.
+`attend(layer_idx, heads)` callable that applies the layer's mask rule.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.layers import DecoderLayer, RMSNorm, linear
+from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, linear
 
 
 class Drafter(nnx.Module):
@@ -59,11 +60,11 @@ class Drafter(nnx.Module):
             for i, layer in enumerate(self.layers)
         ]
 
-    def __call__(self, block_embeds_BD, positions_B, attend: Callable):
-        """Block hidden states [B, D] after the final norm; `attend(i, q, k, v)` per layer."""
+    def __call__(self, block_embeds_BD, positions_B, attend: AttendFn):
+        """Block hidden states [B, D] after the final norm; `attend(i, heads)` per layer (`layers.AttendFn`)."""
         x_BD, delta_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype), None
         for i, layer in enumerate(self.layers):
-            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, lambda q, k, v, i=i: attend(i, q, k, v))
+            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i))
         return self.norm.add_norm(x_BD, delta_BD)[1]
 
     def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):

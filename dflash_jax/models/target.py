@@ -1,23 +1,21 @@
 """The target model: Qwen3 (q/k norm) and Llama (llama3 RoPE, tied embeddings) in Flax NNX.
 
 One class covers both: they differ only in the per-head q/k RMSNorm and in config values.
-Attention is delegated to an `attend(layer_idx, q, k, v)` callable so that the dense path and
-the paged runtime share these layers; a layer never sees a cache.
+Attention is delegated to an `attend(layer_idx, heads)` callable (`layers.AttendFn`) so that
+the dense path and the paged runtime share these layers; a layer never sees a cache.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.layers import DecoderLayer, RMSNorm, linear, logical
-
-# attend(layer_idx, q_TNH, k_TKH, v_TKH) -> [T, N, H]
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, linear, logical
 
 
 class Target(nnx.Module):
@@ -61,7 +59,7 @@ class Target(nnx.Module):
         x_TD, delta_TD = self.embed(token_ids_T), None
         wanted = {layer_id: None for layer_id in layer_ids}
         for i, layer in enumerate(self.layers):
-            x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, lambda q, k, v, i=i: attend(i, q, k, v))
+            x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, functools.partial(attend, i))
             if i in wanted:  # the layer's output (this sum fuses into the concatenation below)
                 wanted[i] = x_TD + delta_TD
         features = [wanted[layer_id] for layer_id in layer_ids]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from dflash_jax.attention import dense_attention, position_mask
 from dflash_jax.config import LayerAttention
+from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.masks import block_mask, block_positions, context_mask
 
@@ -70,7 +71,7 @@ def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anc
         return out_ABNH.reshape(q_TNH.shape)
 
     embeds_TD = target.embed(block_ids_AB.reshape(-1)).astype(drafter.dtype)
-    hidden_TD = drafter(embeds_TD, positions_AB.reshape(-1), attend)
+    hidden_TD = drafter(embeds_TD, positions_AB.reshape(-1), finishing(attend))
     return hidden_TD.reshape(num_anchors, block_size, -1)
 
 
