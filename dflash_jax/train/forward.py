@@ -28,7 +28,7 @@ def target_logits_and_features(target: Target, token_ids_L, layer_ids):
     positions_L = jnp.arange(token_ids_L.shape[0], dtype=jnp.int32)
     mask_LL = position_mask(positions_L, positions_L, LayerAttention(causal=True))
     hidden_LD, features_LF = target(
-        token_ids_L, positions_L, lambda i, q, k, v: dense_attention(q, k, v, mask_LL), layer_ids=layer_ids
+        token_ids_L, positions_L, finishing(lambda i, q, k, v: dense_attention(q, k, v, mask_LL)), layer_ids=layer_ids
     )
     return target.unembed(hidden_LD), features_LF
 
