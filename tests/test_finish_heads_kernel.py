@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 import dflash_jax
-from conftest import drafter_config_dict, make_zlab_drafter, save_hf
+from conftest import randomize, save_hf
+from dflash_jax.models import Drafter
+from dflash_jax.train.init import new_drafter_config
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from test_generate import PROMPTS, biased_target
 
@@ -82,10 +86,9 @@ def test_rejects_heads_that_do_not_fit_the_caches():
 def test_fused_heads_keep_greedy_tokens(monkeypatch, tmp_path):
     """Every layer of the target and drafter finishing its heads through the kernel (interpret
     mode) gives the reference path's greedy tokens and accepted lengths."""
-    hf = biased_target()
-    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 8})
-    target = dflash_jax.load_target(save_hf(hf, tmp_path / "target"))
-    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=1), tmp_path / "drafter", config))
+    target = dflash_jax.load_target(save_hf(biased_target(), tmp_path / "target"))
+    drafter = randomize(Drafter(new_drafter_config(target.cfg, mask_token_id=95, num_layers=2, block_size=8,
+                                                   intermediate_size=64), rngs=nnx.Rngs(1)), seed=1)
     results = {}
     for impl in ("reference", "pallas"):
         monkeypatch.setenv("DFLASH_HEADS_IMPL", impl)
@@ -105,5 +108,6 @@ def test_compiled_kernel_on_gpu(dtype):
     for shape, num_tokens in [(s, 5) for s in SHAPES] + [((32, 8, 128), 1), ((32, 8, 128), 300)]:
         for qk_norm in (True, False):
             args = inputs(*shape, dtype, qk_norm=qk_norm, num_tokens=num_tokens, num_slots=512)
-            got = jax.jit(finish_heads_pallas, static_argnames="num_heads")(*args, num_heads=shape[0])
+            kernel = jax.jit(lambda *a, n=shape[0]: finish_heads_pallas(*a[:5], EPS, *a[6:], num_heads=n))
+            got = kernel(*args)  # eps stays a Python float (a traced one would be a captured constant)
             check(got, args, shape[0], dtype)
