@@ -126,6 +126,7 @@ def finish_heads_pallas(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, sl
     if (q_weight_H is None) != (k_weight_H is None):
         raise ValueError("pass both q/k norm weights (Qwen3) or neither (Llama).")
     qk_norm = q_weight_H is not None
+    eps = float(eps)  # a Python number: a traced one would be a constant the kernel captures
     if not interpret:
         quiet_triton_deprecation()
     q_size, cache_size = num_tokens * num_heads * head_dim, k_cache_SKH.size
