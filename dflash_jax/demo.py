@@ -51,6 +51,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--block-size", type=int, help="draft block size (default: 4 on CPU, else the drafter's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", action="store_true", help="all questions in one batch instead of one at a time")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both models (float32: DFlash's tokens equal autoregressive decoding's "
+                        "exactly; bfloat16: what serving runs, where a verify block may round differently)")
     parser.set_defaults(run=run)
 
 
@@ -69,8 +72,8 @@ def run(args: argparse.Namespace) -> None:
             )
         raise FileNotFoundError(f"{args.drafter} does not exist; pass --drafter a DFlash drafter folder.")
     target_dir = smollm2_target(args.cache_dir.expanduser())
-    target = dflash_jax.load_target(target_dir)
-    drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
+    target = dflash_jax.load_target(target_dir, dtype=args.dtype)
+    drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
     tokenizer = ChatTokenizer(target_dir)
     prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
     block_size = args.block_size or (4 if jax.default_backend() == "cpu" else drafter.cfg.block_size)
@@ -91,14 +94,15 @@ def run(args: argparse.Namespace) -> None:
     differing = sum(a != b for a, b in zip(spec.token_ids, ar.token_ids))
     if differing:  # lossless in float32; lower precision rounds verify blocks and single steps differently
         print(f"note: {differing} of {len(prompts)} answers differ between DFlash and autoregressive decoding "
-              f"({target.dtype} arithmetic; in float32 they are identical, anything else is a bug)", file=sys.stderr)
+              f"({args.dtype} arithmetic; in float32 they are identical, anything else is a bug)", file=sys.stderr)
     for question, token_ids in zip(QUESTIONS, spec.token_ids):
         print(f"Q: {question}\nA: {tokenizer.decode(token_ids).strip()}\n")
     setting = f"{len(prompts)} questions in one batch" if args.batch else f"{len(prompts)} questions one at a time"
     print(f"DFlash (block size {block_size}): {stats_line(spec, compiled_in=False)}")
     print(f"autoregressive: {stats_line(ar, compiled_in=False)}")
     speedup = (spec.num_tokens / spec.elapsed_s) / (ar.num_tokens / ar.elapsed_s)
-    print(f"speedup: {speedup:.2f}x ({setting}, greedy, same tokens; on {jax.devices()[0].device_kind})")
+    agreement = f"{differing} answers differ" if differing else "same tokens"
+    print(f"speedup: {speedup:.2f}x ({setting}, greedy, {args.dtype}, {agreement}; on {jax.devices()[0].device_kind})")
 
 
 def smollm2_target(cache_dir: Path) -> Path:

@@ -132,6 +132,11 @@ def test_demo_with_cached_target(models_dir, tmp_path, capsys, no_download):
     assert lines[-3].startswith("DFlash (block size 4): ") and "mean accepted length" in lines[-3]
     assert lines[-2].startswith("autoregressive: ") and "tokens/s" in lines[-2]
     assert lines[-1].startswith("speedup: ") and "includes compilation" not in out
+    assert "float32, same tokens" in lines[-1]  # lossless in float32: the demo checks, not assumes
+    code, out, err = run_cli(capsys, "demo", "--drafter", models_dir / "drafter", "--cache-dir", cache,
+                             "--max-new-tokens", "12", "--dtype", "bfloat16")
+    assert code == 0, err
+    assert ", bfloat16, " in out.splitlines()[-1]
 
 
 def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):
