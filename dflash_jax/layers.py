@@ -191,6 +191,7 @@ class Attention(nnx.Module):
         return slice(self.cfg.num_heads * self.cfg.head_dim, None)
 
     def project(self, x_TD, positions_T) -> ProjectedHeads:
+        """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""
         cfg = self.cfg
         qkv_TXH = self.qkv_proj(x_TD).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         return ProjectedHeads(qkv_TXH, positions_T, self)
