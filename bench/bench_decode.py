@@ -202,8 +202,8 @@ class Budget:
 
 # ---- models -------------------------------------------------------------------------------
 
-def random_model(raw, seed):
-    """A Target or Drafter for the HF-style config dict `raw` with random bf16 weights drawn
+def random_model(raw, seed, dtype="bfloat16"):
+    """A Target or Drafter for the HF-style config dict `raw` with random `dtype` weights drawn
     on the default device: N(0, 0.02) matrices, ones for the 1-D (norm) weights.
 
     One small jitted draw per distinct shape: drawing the whole 8B model in one jit spent
@@ -216,18 +216,19 @@ def random_model(raw, seed):
     from dflash_jax.config import parse_config
 
     cfg = parse_config(raw)
-    shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg, jnp.bfloat16)))
+    dtype = jnp.dtype(dtype)
+    shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype)))
 
     @functools.lru_cache(maxsize=None)
     def draw(shape):
         if len(shape) == 1:
-            return jax.jit(lambda key: jnp.ones(shape, jnp.bfloat16))
-        return jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16))
+            return jax.jit(lambda key: jnp.ones(shape, dtype))
+        return jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
 
     leaves, treedef = jax.tree.flatten(shapes)
     root = jax.random.key(seed)
     params = [draw(tuple(leaf.shape))(jax.random.fold_in(root, i)) for i, leaf in enumerate(leaves)]
-    return model_from_params(cfg, jnp.bfloat16, jax.tree.unflatten(treedef, jax.block_until_ready(params)))
+    return model_from_params(cfg, dtype, jax.tree.unflatten(treedef, jax.block_until_ready(params)))
 
 
 def param_bytes(model, skip_embedding=False):
@@ -241,8 +242,9 @@ def param_bytes(model, skip_embedding=False):
     return total
 
 
-def kv_bytes_per_token(cfg, num_layers):
-    return 2 * num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
+def kv_bytes_per_token(model, num_layers):
+    cfg = model.cfg
+    return 2 * num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize  # k and v
 
 
 @dataclasses.dataclass
@@ -254,13 +256,13 @@ class Pair:
     lm_head_bytes: int
 
 
-def build_pair(model, seed=0):
+def build_pair(model, dtype="bfloat16", seed=0):
     _, target_config, drafter_config = MODELS[model]
-    target = random_model(target_config, seed)
-    drafter = random_model(drafter_config, seed + 1)
+    target = random_model(target_config, seed, dtype)
+    drafter = random_model(drafter_config, seed + 1, dtype)
     cfg = target.cfg
     return Pair(target, drafter, param_bytes(target, skip_embedding=True), param_bytes(drafter),
-                cfg.vocab_size * cfg.hidden_size * 2)
+                cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)
 
 
 def prompts_for(rng, vocab, batch, context):
@@ -278,10 +280,10 @@ def memory_needed(pair, batch, context, capacity, block):
     t, d = pair.target.cfg, pair.drafter.cfg
     num_drafts = block - 1
     slots = batch * pages_per_request(context, capacity, num_drafts) * PAGE_SIZE
-    kv = slots * (kv_bytes_per_token(t, t.num_layers) + kv_bytes_per_token(d, d.num_layers))
+    kv = slots * (kv_bytes_per_token(pair.target, t.num_layers) + kv_bytes_per_token(pair.drafter, d.num_layers))
     weights = pair.target_stream_bytes + pair.lm_head_bytes + pair.drafter_bytes
     logits = 3 * batch * (num_drafts + 1) * t.vocab_size * 4
-    prefill = next_pow2(batch * context) * (3 * t.intermediate_size + 4 * t.hidden_size) * 2
+    prefill = next_pow2(batch * context) * (3 * t.intermediate_size + 4 * t.hidden_size) * pair.target.dtype.itemsize
     return weights + kv + logits + prefill
 
 
@@ -785,7 +787,7 @@ def fmt(value, digits=2):
 def report(run):
     lines = []
     info = run["versions"]
-    lines.append(f"# Decode benchmark: {MODELS[run.get('model', 'qwen3-8b')][0]}, "
+    lines.append(f"# Decode benchmark: {MODELS[run.get('model', 'qwen3-8b')][0]}, {run.get('dtype', 'bfloat16')}, "
                  f"{info['device']}")
     lines.append("")
     lines.append(f"Date {run['date']}; commit `{run['commit']}`; jax {info['jax']} ({info['backend']}), "
@@ -941,6 +943,8 @@ def main(argv=None):
     parser.add_argument("--out", default="decode.json", help="JSON results (the markdown goes beside it, .md)")
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test (--model small)")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b", help="the random models' shapes")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the random models' dtype (the PyTorch anchors run in bfloat16 only)")
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
@@ -965,6 +969,8 @@ def main(argv=None):
     parser.add_argument("--commit", default=None, help="commit to record (default: git describe)")
     parser.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if opts.torch_anchors and opts.dtype != "bfloat16":
+        parser.error("--torch-anchors runs the PyTorch anchors in bfloat16: drop it or --dtype float32.")
     if opts.torch_worker:
         return torch_worker(opts.torch_worker)
 
@@ -1008,7 +1014,7 @@ def main(argv=None):
 
     run = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                commit=opts.commit or commit_of(REPO), versions=versions(), small=small,
-               model="small" if small else opts.model,
+               model="small" if small else opts.model, dtype=opts.dtype,
                command="python bench/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
@@ -1030,7 +1036,7 @@ def main(argv=None):
 
     print(json.dumps(run["versions"]), flush=True)
     t0 = time.perf_counter()
-    pair = build_pair(run["model"])
+    pair = build_pair(run["model"], opts.dtype)
     note(f"models built on the device in {time.perf_counter() - t0:.1f} s")
     run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,
                lm_head_bytes=pair.lm_head_bytes, target_config=MODELS[run["model"]][1],
@@ -1063,8 +1069,8 @@ def main(argv=None):
             continue
         prompts = prompts_for(rng, tcfg.vocab_size, batch, context)
         mean_ctx = context + 0.75 * opts.n_tokens  # where the n - m steps sit, on average
-        kv_target = batch * mean_ctx * kv_bytes_per_token(tcfg, tcfg.num_layers)
-        kv_drafter = batch * mean_ctx * kv_bytes_per_token(dcfg, dcfg.num_layers)
+        kv_target = batch * mean_ctx * kv_bytes_per_token(pair.target, tcfg.num_layers)
+        kv_drafter = batch * mean_ctx * kv_bytes_per_token(pair.drafter, dcfg.num_layers)
         for impl in impls:
             result = dict(batch=batch, context=context, attention_impl=impl, block_sizes=opts.block_sizes,
                           memory_estimate_bytes=need, ar_bytes=pair.target_stream_bytes + kv_target,
