@@ -8,11 +8,14 @@ anchors and projected tokens/s, measured in one process.
     python bench/bench_decode.py --points 8x1k,1x8k,128x1k --attention-impl pallas --out $OUT/more.json
     python bench/bench_decode.py --points 32x1k --block-sizes 16,8,4 --sections generate,steps --out ...
     python bench/bench_decode.py --small --torch-anchors --profile --out /tmp/decode.json  # CPU smoke test
+    python bench/bench_decode.py --model smollm2-135m --dtype float32 --points 1x1k --sections generate ...
 
 Models: a Qwen3-8B-shaped target (36 layers, hidden 4096, 32 / 8 heads, head_dim 128,
 intermediate 12288, vocab 151936) and a Qwen3-8B-DFlash-b16-shaped drafter (5 layers, block
-16, target layers [1, 9, 17, 25, 33], mask 151669). Random bf16 weights are drawn on the
-device by the models' own initialisers inside one jit: nothing crosses the host.
+16, target layers [1, 9, 17, 25, 33], mask 151669); or, with `--model smollm2-135m`,
+SmolLM2-135M's shape and the shipped drafter's (the launch-bound end). Random weights
+(bf16, or `--dtype float32`) are drawn on the device, one small jit per shape: nothing
+crosses the host.
 
 A point is (batch B, context C): B prompts of C random tokens. Sections, in this order, each
 over every point and attention implementation (skipped, with the reason, once --budget-s
