@@ -32,6 +32,8 @@ def add_parser(subparsers) -> None:
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="wrap text prompts in the chat template (default: when the tokenizer has one)",
     )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="compute dtype of both models (default: the target's stored dtype)")
     parser.add_argument(
         "--warmup", action="store_true",
         help="run once untimed first, so the stats line measures generation without compilation",
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
     if args.prompt and tokenizer is None:
         raise ValueError(f"{args.target} has no tokenizer.json to tokenize text with; pass --prompt-ids instead.")
     prompts = _text_prompts(tokenizer, args.prompt, args.chat) if args.prompt else _id_prompts(args.prompt_ids)
-    target = dflash_jax.load_target(args.target)
+    target = dflash_jax.load_target(args.target, dtype=args.dtype)
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_token_ids=tokenizer.stop_token_ids if tokenizer else None,

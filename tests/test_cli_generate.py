@@ -70,6 +70,23 @@ def test_generate_text_prompt_speculative_equals_autoregressive(models_dir, caps
     assert "tokens/s" in spec_out.splitlines()[-1]
 
 
+def test_generate_dtype(models_dir, capsys, monkeypatch):
+    """--dtype loads both models in that dtype; the answers are bf16 decoding's."""
+    loaded = []
+    for name in ("load_target", "load_drafter"):
+        real = getattr(dflash_jax, name)
+        monkeypatch.setattr(dflash_jax, name, lambda path, dtype=None, real=real: loaded.append(dtype) or real(path, dtype))
+    target = models_dir / "target"
+    code, out, err = run_cli(capsys, "generate", "--target", target, "--drafter", models_dir / "drafter",
+                             "--prompt-ids", "2,4,5,3", "--max-new-tokens", "8", "--dtype", "bfloat16")
+    assert code == 0, err
+    assert loaded == ["bfloat16", "bfloat16"]
+    model = dflash_jax.load_target(target, dtype="bfloat16")
+    drafter = dflash_jax.load_drafter(models_dir / "drafter", dtype="bfloat16")
+    expected = dflash_jax.generate(model, drafter, [[2, 4, 5, 3]], max_new_tokens=8, stop_token_ids=[0])
+    assert out.splitlines()[0] == ChatTokenizer(target).decode(expected.token_ids[0])
+
+
 def test_generate_prompt_ids_and_plain_text(models_dir, capsys):
     code, out, _ = run_cli(capsys, "generate", "--target", models_dir / "bare", "--prompt-ids", "2,4,5,3",
                            "--max-new-tokens", "12")
