@@ -33,7 +33,8 @@ def add_parser(subparsers) -> None:
         help="wrap text prompts in the chat template (default: when the tokenizer has one)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help="compute dtype of both models (default: the target's stored dtype)")
+                        help="compute dtype of both models (default: the target's stored dtype; bfloat16 is for "
+                        "GPUs: on a CPU XLA's bfloat16 products are 10x slower or worse)")
     parser.add_argument(
         "--warmup", action="store_true",
         help="run once untimed first, so the stats line measures generation without compilation",

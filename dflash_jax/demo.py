@@ -53,7 +53,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch", action="store_true", help="all questions in one batch instead of one at a time")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="compute dtype of both models (float32: DFlash's tokens equal autoregressive decoding's "
-                        "exactly; bfloat16: what serving runs, where a verify block may round differently)")
+                        "exactly; bfloat16: what serving on a GPU runs, where a verify block may round differently; "
+                        "on a CPU XLA's bfloat16 products are 10x slower or worse)")
     parser.set_defaults(run=run)
 
 
