@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from flax import nnx
 
 import dflash_jax
@@ -17,8 +16,8 @@ from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_refere
 from test_generate import PROMPTS, biased_target
 
 EPS = 1e-6
-# (query heads, kv heads, head_dim): Qwen3-8B's grouping, SmolLM2's (not powers of two), and
-# a head_dim whose half (6) pads to a power of two
+# (query heads, kv heads, head_dim): grouped heads, SmolLM2's (not powers of two), and a
+# head_dim whose half (6) pads to a power of two; the GPU test adds Qwen3-8B's (32, 8, 128)
 SHAPES = [(4, 2, 16), (9, 3, 64), (3, 1, 12)]
 
 
