@@ -34,15 +34,15 @@ else
     echo "   skipped (no GPU)"
 fi
 # 2. The key-split combine as one kernel against XLA's four (A/B), with a profile.
-decode combine 140 "DFLASH_COMBINE_IMPL=kernel" --points "$(big 1x1k 1x128)" --sections generate,steps --profile
-decode xla_combine 75 "DFLASH_COMBINE_IMPL=jnp" --points "$(big 1x1k 1x128)" --sections generate
+decode combine 140 "DFLASH_COMBINE_IMPL=pallas" --points "$(big 1x1k 1x128)" --sections generate,steps --profile
+decode xla_combine 75 "DFLASH_COMBINE_IMPL=reference" --points "$(big 1x1k 1x128)" --sections generate
 # 3. Batch 32 at verify blocks 4 and 8 (the B32 target; not run since the fused heads).
-decode b32 110 "DFLASH_COMBINE_IMPL=kernel" --points "$(big 32x1k 2x128)" --block-sizes 8,4 --sections generate
+decode b32 110 "DFLASH_COMBINE_IMPL=pallas" --points "$(big 32x1k 2x128)" --block-sizes 8,4 --sections generate
 # 4. The Engine step (host work per step).
-decode engine 55 "DFLASH_COMBINE_IMPL=kernel" --points "$(big 1x1k 1x128)" --sections engine
+decode engine 55 "DFLASH_COMBINE_IMPL=pallas" --points "$(big 1x1k 1x128)" --sections engine
 # 5. SmolLM2 shape in float32 (the demo's dtype): is the demo's cycle / AR (1.34 against
 #    1.09 in bf16) float32's doing?
-decode smollm2_f32 55 "DFLASH_COMBINE_IMPL=kernel" --model smollm2-135m --dtype float32 --points "$(big 1x1k 1x128)" \
+decode smollm2_f32 55 "DFLASH_COMBINE_IMPL=pallas" --model smollm2-135m --dtype float32 --points "$(big 1x1k 1x128)" \
     --sections generate
 
 python3 - "$out" <<'PY'

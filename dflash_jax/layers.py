@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Callable
 
 import jax
@@ -21,18 +20,11 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import RopeConfig
+from pallas_kernels.common import use_kernel
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference, finish_qkv_reference, rotate
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
 _default_kernel_init = nnx.initializers.normal(stddev=0.02)
-
-
-def use_gpu_kernel(env_var: str) -> bool:
-    """Whether a fused Pallas kernel replaces its jnp reference in programs traced now: on a
-    GPU unless `env_var` is "reference" (an A/B switch); "pallas" forces it elsewhere too
-    (interpret mode: tests of the fused path on CPU)."""
-    impl = os.environ.get(env_var, "auto")
-    return impl == "pallas" or (impl != "reference" and jax.default_backend() == "gpu")
 
 
 def logical(initializer, axes: tuple[str | None, ...]):
@@ -77,8 +69,8 @@ class RMSNorm(nnx.Module):
     def add_norm(self, x_TD, delta_TD):
         """(x + delta, this norm of it): a residual-stream update fused with the pre-norm that
         reads it (with `delta_TD` None, (x, norm(x))). On a GPU one Pallas kernel (XLA makes
-        three); `DFLASH_NORM_IMPL` switches it (`use_gpu_kernel`)."""
-        norm = add_rms_norm_pallas if use_gpu_kernel("DFLASH_NORM_IMPL") else add_rms_norm_reference
+        three); `DFLASH_NORM_IMPL` switches it (`pallas_kernels.common.use_kernel`)."""
+        norm = add_rms_norm_pallas if use_kernel("DFLASH_NORM_IMPL") else add_rms_norm_reference
         return norm(x_TD, delta_TD, self.weight[...], self.eps)
 
 
@@ -221,8 +213,8 @@ class ProjectedHeads:
     def finish_into(self, slots_T, k_cache_SKH, v_cache_SKH):
         """(queries, key cache, value cache) with this layer's keys and values written to
         `slots_T` (< 0: padding, not written); `DFLASH_HEADS_IMPL` switches the kernel
-        (`use_gpu_kernel`)."""
-        finish = finish_heads_pallas if use_gpu_kernel("DFLASH_HEADS_IMPL") else finish_heads_reference
+        (`pallas_kernels.common.use_kernel`)."""
+        finish = finish_heads_pallas if use_kernel("DFLASH_HEADS_IMPL") else finish_heads_reference
         return finish(self.qkv_TXH, *self.attention.finish_args(self.positions_T), slots_T, k_cache_SKH, v_cache_SKH,
                       num_heads=self.attention.cfg.num_heads)
 

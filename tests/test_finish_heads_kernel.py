@@ -12,6 +12,7 @@ import dflash_jax
 from conftest import randomize, save_hf
 from dflash_jax.models import Drafter
 from dflash_jax.train.init import new_drafter_config
+from pallas_kernels.common import use_kernel
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from test_generate import PROMPTS, biased_target
 
@@ -80,6 +81,16 @@ def test_rejects_heads_that_do_not_fit_the_caches():
         finish_heads_pallas(*args, num_heads=5, interpret=True)
     with pytest.raises(ValueError, match="both q/k norm weights"):
         finish_heads_pallas(*args[:4], None, *args[5:], num_heads=4, interpret=True)
+
+
+def test_kernel_switch_refuses_unknown_values(monkeypatch):
+    monkeypatch.setenv("DFLASH_HEADS_IMPL", "cuda")
+    with pytest.raises(ValueError, match="DFLASH_HEADS_IMPL must be auto, reference or pallas"):
+        use_kernel("DFLASH_HEADS_IMPL")
+    monkeypatch.setenv("DFLASH_HEADS_IMPL", "reference")
+    assert not use_kernel("DFLASH_HEADS_IMPL")
+    monkeypatch.setenv("DFLASH_HEADS_IMPL", "pallas")
+    assert use_kernel("DFLASH_HEADS_IMPL")
 
 
 def test_fused_heads_keep_greedy_tokens(monkeypatch, tmp_path):
