@@ -4,8 +4,14 @@ Requests arrive and leave at any step. Each step the host schedules a ragged bat
 chunks and 1 + N verify rows side by side, within a token budget), pads it to power-of-two
 buckets, and runs one jitted program: target forward, verification (greedy or rejection
 sampling), then the draft step that proposes the next block of every row. Drafts and their
-distributions stay on the device, indexed by request slot. The host learns only the committed
-tokens, once per step.
+distributions stay on the device, indexed by request slot, and so do each request's last
+token and next position: a verify row is built on the device from them.
+
+So the host need not know a step's tokens to schedule the next one. With asynchronous
+scheduling (the default) `step()` launches step k + 1 before it reads step k's tokens: the
+host's scheduling, batch building and dispatch overlap the device's work, and `step()`
+returns the tokens of the step before. A request that finishes in step k still runs in step
+k + 1 (unless the host knows it ends in k: its length runs out); those outputs are dropped.
 
 When pages run out, the most recently admitted request is preempted: its pages are freed and
 it is recomputed later from its prompt and the tokens it already has. A request that could
@@ -37,7 +43,6 @@ from dflash_jax.kv_cache import (
     PageAllocator,
     PagedKVCache,
     kv_cache_bytes,
-    slots_of,
 )
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
@@ -103,11 +108,17 @@ class _Request:
     stats: RequestStats
     status: _Status = _Status.WAITING
     slot: int = -1
+    epoch: int = 0  # bumped when preempted: outputs of steps launched before are dropped
     pages: list[int] = dataclasses.field(default_factory=list)
     # Per windowed drafter cache group: page per block index, NULL_PAGE once out of the window.
     window_pages: list[list[int]] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # positions 0..num_computed-1 have target (and draft) K/V
-    has_drafts: bool = False  # the device holds drafts proposed after the current anchor
+    # Positions 0..num_computed-1 have target (and draft) K/V, counting prefill chunks when
+    # launched and verify steps when committed (their accepted length is known then).
+    num_computed: int = 0
+    # Prefill is done: each step verifies 1 + N rows whose anchor token and position (and
+    # drafts) the device holds, for the verify step in flight too.
+    decoding: bool = False
+    in_flight: _Work | None = None  # this request's share of the launched, uncommitted step
 
     @property
     def num_generated(self) -> int:
@@ -121,16 +132,22 @@ class _Work:
     request: _Request
     rows: int
     verifying: bool
+    samples: bool  # the step gives the request a token (verify, or the last prefill chunk)
+    epoch: int  # the request's epoch at launch
 
-    @property
-    def samples(self) -> bool:
-        """Does this step give the request a token (verify, or the last prefill chunk)?"""
-        return self.verifying or self.request.num_computed + self.rows == len(self.request.tokens)
+
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+    """A launched step: its work and its (not yet read) device outputs."""
+
+    work: list[_Work]
+    tokens_RQ: jax.Array
+    accepted_R: jax.Array
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["target_cache", "draft_caches", "drafts", "draft_probs"],
+    data_fields=["target_cache", "draft_caches", "drafts", "draft_probs", "last_token", "next_pos"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -139,27 +156,31 @@ class _DeviceState:
     draft_caches: tuple[PagedKVCache, ...]  # one per drafter cache group (DraftCacheGroups)
     drafts: jax.Array  # [max_num_reqs, N] by request slot
     draft_probs: jax.Array  # [max_num_reqs, N, V] the drafter's q for each draft
+    last_token: jax.Array  # [max_num_reqs] the last sampled token: the next verify's anchor
+    next_pos: jax.Array  # [max_num_reqs] its position
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
-        "target", "window_tables", "slots", "verify_rows", "anchor_pos", "num_drafts", "use_drafts", "num_sampled",
+        "target", "window_tables", "slots", "verify_rows", "anchor_pos", "last_pos", "verifying", "num_sampled",
         "next_prefill_tokens", "temperature", "top_k", "top_p", "seeds",
     ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class _StepBatch:
-    """One step's host-built inputs; per-row arrays have the bucket's R rows."""
+    """One step's host-built inputs; per-row arrays have the bucket's R rows. A verifying
+    row's tokens, positions and slots, and its anchor position, come from the device state
+    (`_verify_rows_from_state`): the host leaves them blank."""
 
     target: TargetBatch
     window_tables: tuple[jax.Array, ...]  # [R, max_blocks] per windowed drafter cache group
     slots: jax.Array  # [R] request slot (max_num_reqs for padding rows: writes dropped)
     verify_rows: jax.Array  # [R, 1 + N] target rows whose logits verify (prefill: last row x Q)
-    anchor_pos: jax.Array  # [R] position of verify row 0
-    num_drafts: jax.Array  # [R] drafts that may be accepted (0 for prefill rows)
-    use_drafts: jax.Array  # [R] bool: the row's tokens include drafts
+    anchor_pos: jax.Array  # [R] position of verify row 0 (prefill rows: their last position)
+    last_pos: jax.Array  # [R] the request's last position (prompt + max new tokens - 1)
+    verifying: jax.Array  # [R] bool: a verify row (anchor + drafts), not a prefill chunk
     num_sampled: jax.Array  # [R] 1 if the row samples a token this step, 0 mid-prefill
     next_prefill_tokens: jax.Array  # [R] the next prompt token of a row mid-prefill
     temperature: jax.Array
@@ -200,6 +221,7 @@ class Engine:
         layout_impl: str = "auto",
         attention_impl: str = "auto",
         draft_block_size: int | None = None,
+        async_scheduling: bool = True,
     ):
         resolve_attention_impl(attention_impl)
         if drafter is not None:
@@ -256,6 +278,8 @@ class Engine:
         self._running: list[_Request] = []
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self._next_id = 0
+        self.async_scheduling = async_scheduling
+        self._launched: _Launched | None = None  # the step in flight (asynchronous scheduling)
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -303,17 +327,17 @@ class Engine:
         return self._requests[request_id]
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the new tokens of every request that advanced."""
+        """Launch one scheduled batch; returns the new tokens of every request that advanced:
+        in the step before this one with asynchronous scheduling, in this one without."""
         work = self._schedule()
-        if not work:
-            if self._running:  # pages are always reserved to fit: this is a bug, never a wait
-                raise RuntimeError("the engine could schedule none of its running requests.")
-            return []
-        batch = self._build_batch(work)
-        self._state, tokens_RQ, accepted_R = self._step_program(self._params, self._state, *batch.to_device(),
-                                                                batch.layout, batch.greedy)
-        tokens_RQ, accepted_R = jax.device_get((tokens_RQ, accepted_R))
-        return self._commit(work, tokens_RQ, accepted_R)
+        launched = self._launch(work) if work else None
+        if launched is None and self._running and self._launched is None:
+            # Pages are always reserved to fit: this is a bug, never a wait.
+            raise RuntimeError("the engine could schedule none of its running requests.")
+        if not self.async_scheduling:
+            return self._commit(launched) if launched else []
+        previous, self._launched = self._launched, launched
+        return self._commit(previous) if previous else []
 
     def precompile(self) -> int:
         """Compile every step program up front, for each (rows, tokens) bucket a greedy and a
@@ -342,7 +366,10 @@ class Engine:
         return min(max(next_pow2(num_tokens), 8, next_pow2(num_rows)), self.max_num_tokens)
 
     def _schedule(self) -> list[_Work]:
-        """Running requests first (verify rows), then admissions; prefill takes what is left."""
+        """Running requests first (verify rows), then admissions; prefill takes what is left.
+
+        A request's step in flight may be uncommitted: its verify rows' count is known, not
+        how many were accepted, so pages are reserved for all of them."""
         while self._waiting and len(self._running) < self.max_num_reqs:
             request = self._waiting.popleft()
             request.status, request.slot = _Status.RUNNING, self._free_slots.pop()
@@ -352,16 +379,36 @@ class Engine:
         for request in list(self._running):
             if request.status is not _Status.RUNNING:
                 continue  # preempted while scheduling an earlier request
-            pending = len(request.tokens) - request.num_computed
-            verifying = request.has_drafts and pending == 1
-            rows = 1 + self.num_drafts if verifying else min(pending, budget)
-            if rows <= 0 or rows > budget:
+            flight = request.in_flight
+            if request.decoding:
+                if flight is not None and request.num_generated + 1 >= request.params.max_new_tokens:
+                    continue  # the step in flight gives its last token
+                rows = 1 + self.num_drafts
+                # The anchor is at most the step in flight's verify rows past num_computed.
+                end = request.num_computed + (rows if flight is not None and flight.verifying else 0) + rows
+            else:
+                rows = min(len(request.tokens) - request.num_computed, budget)
+                end = request.num_computed + rows
+            if not 0 < rows <= budget:
                 continue
-            if not self._reserve(request, request.num_computed + rows + self._lookahead, [w.request for w in work]):
+            if not self._reserve(request, end + self._lookahead, [w.request for w in work]):
                 continue
-            work.append(_Work(request, rows, verifying))
+            samples = request.decoding or end == len(request.tokens)
+            work.append(_Work(request, rows, request.decoding, samples, request.epoch))
             budget -= rows
         return work
+
+    def _launch(self, work: list[_Work]) -> _Launched:
+        """Run the step program on `work` (asynchronously: nothing is read back here)."""
+        batch = self._build_batch(work)
+        self._state, tokens_RQ, accepted_R = self._step_program(self._params, self._state, *batch.to_device(),
+                                                                batch.layout, batch.greedy)
+        for w in work:
+            w.request.in_flight = w
+            if not w.verifying:  # a prefill chunk's rows are all computed
+                w.request.num_computed += w.rows
+                w.request.decoding = w.samples
+        return _Launched(work, tokens_RQ, accepted_R)
 
     @property
     def _lookahead(self) -> int:
@@ -414,7 +461,8 @@ class Engine:
         self._running.remove(request)
         self._free_slots.append(request.slot)
         request.slot, request.num_computed = -1, 0
-        request.status, request.has_drafts = _Status.WAITING, False
+        request.status, request.decoding, request.in_flight = _Status.WAITING, False, None
+        request.epoch += 1
         request.stats.num_preemptions += 1
         self._waiting.appendleft(request)
 
@@ -423,7 +471,7 @@ class Engine:
             self._running.remove(request)
             self._free_slots.append(request.slot)
         self._free_pages(request)
-        request.slot = -1
+        request.slot, request.in_flight = -1, None
         request.status = _Status.FINISHED
         request.stats.finish_s = time.perf_counter()
 
@@ -437,30 +485,26 @@ class Engine:
         host = self._host_batch(num_rows, self._token_bucket(sum(w.rows for w in work), len(work)))
         q = 1 + self.num_drafts
         start = 0
-        for r, (request, rows, verifying) in enumerate((w.request, w.rows, w.verifying) for w in work):
+        for r, w in enumerate(work):
+            request, rows = w.request, w.rows
             span = slice(start, start + rows)
-            positions = np.arange(request.num_computed, request.num_computed + rows)
-            if verifying:
-                host.tokens[span] = [request.tokens[-1]] + [0] * self.num_drafts  # drafts filled on device
+            if w.verifying:  # tokens and positions from the device state
                 host.verify_rows[r] = start + np.arange(q)
-                remaining = request.params.max_new_tokens - request.num_generated
-                host.num_drafts[r] = min(max(remaining - 1, 0), self.num_drafts)
             else:
+                positions = np.arange(request.num_computed, request.num_computed + rows)
                 host.tokens[span] = request.tokens[request.num_computed : request.num_computed + rows]
+                host.positions[span] = positions
                 host.verify_rows[r] = start + rows - 1
-            samples = work[r].samples
-            host.use_drafts[r] = verifying
-            host.num_sampled[r] = int(samples)
-            if not samples:
-                host.next_prefill[r] = request.tokens[request.num_computed + rows]
-            host.positions[span], host.rows[span] = positions, r
-            table = np.zeros(self.max_blocks, np.int32)
-            table[: len(request.pages)] = request.pages
-            host.block_table[r] = table
+                host.anchor_pos[r] = positions[-1]
+                if not w.samples:
+                    host.next_prefill[r] = request.tokens[request.num_computed + rows]
+            host.verifying[r] = w.verifying
+            host.num_sampled[r] = int(w.samples)
+            host.rows[span] = r
+            host.block_table[r, : len(request.pages)] = request.pages
             for window_table, pages in zip(host.window_tables, request.window_pages):
                 window_table[r, : len(pages)] = pages
-            host.slots_T[span] = slots_of(table, positions, self.page_size)
-            host.anchor_pos[r] = positions[-1] if not verifying else positions[0]
+            host.last_pos[r] = request.prompt_len + request.params.max_new_tokens - 1
             host.slot[r] = request.slot
             p = request.params
             host.temperature[r], host.top_k[r], host.top_p[r], host.seeds[r] = p.temperature, p.top_k, p.top_p, p.seed
@@ -473,16 +517,23 @@ class Engine:
         return _HostBatch(num_rows, num_tokens, 1 + self.num_drafts, self.max_blocks, self.max_num_reqs,
                           num_window_groups=len(self._window_allocators))
 
-    def _commit(self, work: list[_Work], tokens_RQ, accepted_R) -> list[RequestOutput]:
+    def _commit(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for the device) and apply them; outputs of
+        requests finished or preempted since the launch are dropped."""
+        tokens_RQ, accepted_R = jax.device_get((launched.tokens_RQ, launched.accepted_R))
         outputs = []
-        for r, w in enumerate(work):
-            request, samples = w.request, w.samples  # `samples` reads num_computed: before the update
+        for r, w in enumerate(launched.work):
+            request = w.request
+            if request.status is _Status.FINISHED or request.epoch != w.epoch:
+                continue
+            if request.in_flight is w:
+                request.in_flight = None
             accepted = int(accepted_R[r]) if w.verifying else 0
-            request.num_computed += (accepted + 1) if w.verifying else w.rows
+            if w.verifying:
+                request.num_computed += accepted + 1
             if self._window_allocators:
                 self._evict_out_of_window(request)
-            if not samples:
-                request.has_drafts = False
+            if not w.samples:
                 continue
             new = [int(t) for t in tokens_RQ[r, : accepted + 1]]
             params = request.params
@@ -493,7 +544,6 @@ class Engine:
                     new, reason = new[: i + 1], "stop"
                     break
             request.tokens += new
-            request.has_drafts = self.num_drafts > 0
             stats = request.stats
             stats.num_generated = request.num_generated
             stats.first_token_s = stats.first_token_s or time.perf_counter()
@@ -535,6 +585,8 @@ class Engine:
             draft_caches=draft_caches,
             drafts=jnp.zeros((self.max_num_reqs, n), jnp.int32),
             draft_probs=jnp.zeros((self.max_num_reqs, n, vocab), jnp.float32),
+            last_token=jnp.zeros((self.max_num_reqs,), jnp.int32),
+            next_pos=jnp.zeros((self.max_num_reqs,), jnp.int32),
         )
 
 
@@ -546,11 +598,11 @@ class _HostBatch:
     def __init__(self, num_rows, num_tokens, q, max_blocks, max_num_reqs, num_window_groups):
         T, R = num_tokens, num_rows
         int_fields = [
-            ("tokens", (T,), 0), ("positions", (T,), 0), ("rows", (T,), 0), ("slots_T", (T,), PAD_SLOT),
+            ("tokens", (T,), 0), ("positions", (T,), 0), ("rows", (T,), 0),
             ("query_start_loc", (R + 1,), 0), ("block_table", (R, max_blocks), NULL_PAGE),
             *((f"window_table_{i}", (R, max_blocks), NULL_PAGE) for i in range(num_window_groups)),
             ("verify_rows", (R, q), 0), ("slot", (R,), max_num_reqs), ("anchor_pos", (R,), 0),
-            ("num_drafts", (R,), 0), ("use_drafts", (R,), 0), ("num_sampled", (R,), 0), ("next_prefill", (R,), 0),
+            ("last_pos", (R,), 0), ("verifying", (R,), 0), ("num_sampled", (R,), 0), ("next_prefill", (R,), 0),
             ("top_k", (R,), 0), ("seeds", (R,), 0),
         ]
         float_fields = [("temperature", (R,), 0.0), ("top_p", (R,), 1.0)]
@@ -586,13 +638,13 @@ def _unpack(ints, floats, layout) -> _StepBatch:
     f = {name: buffer[offset : offset + int(np.prod(shape))].reshape(shape)
          for buffer, fields in zip((ints, floats), layout) for name, shape, offset in fields}
     target = TargetBatch(
-        token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=f["slots_T"],
+        token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,
         query_start_loc=f["query_start_loc"], block_table=f["block_table"], logits_rows=f["verify_rows"].reshape(-1),
     )
     window_tables = tuple(f[name] for name, _, _ in layout[0] if name.startswith("window_table_"))
     return _StepBatch(
         target=target, window_tables=window_tables, slots=f["slot"], verify_rows=f["verify_rows"],
-        anchor_pos=f["anchor_pos"], num_drafts=f["num_drafts"], use_drafts=f["use_drafts"] != 0,
+        anchor_pos=f["anchor_pos"], last_pos=f["last_pos"], verifying=f["verifying"] != 0,
         num_sampled=f["num_sampled"], next_prefill_tokens=f["next_prefill"], temperature=f["temperature"],
         top_k=f["top_k"], top_p=f["top_p"], seeds=f["seeds"],
     )
@@ -624,47 +676,77 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     num_rows, num_query = batch.verify_rows.shape
     n = shape.num_drafts
     rows_R = jnp.arange(num_rows)
-    # Verify rows take their drafts from the device state.
-    target_batch = batch.target
-    if n:
-        drafts_RN = state.drafts[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
-        draft_positions_RN = batch.verify_rows[:, 1:]
+    slot_R = jnp.minimum(batch.slots, state.next_pos.shape[0] - 1)  # padding rows read slot 0, write nothing
+    target_batch, anchor_pos_R = _verify_rows_from_state(batch, state, slot_R)
+    drafts_RN = state.drafts[slot_R]
+    num_drafts_R = jnp.where(batch.verifying, jnp.clip(batch.last_pos - anchor_pos_R - 1, 0, n), 0)
+    if n:  # the verify rows' drafts
         num_tokens = target_batch.token_ids.shape[0]  # an out-of-range row: the write is dropped
-        tokens = target_batch.token_ids.at[jnp.where(batch.use_drafts[:, None], draft_positions_RN, num_tokens)].set(
-            drafts_RN, mode="drop"
-        )
+        draft_rows_RN = jnp.where(batch.verifying[:, None], batch.verify_rows[:, 1:], num_tokens)
+        tokens = target_batch.token_ids.at[draft_rows_RN].set(drafts_RN, mode="drop")
         target_batch = dataclasses.replace(target_batch, token_ids=tokens)
     target_cache, logits, features = target_step(target, state.target_cache, target_batch, shape.layer_ids,
                                                   shape.attention_impl)
     logits_RQV = logits.reshape(num_rows, num_query, -1)
     if not n:
         token_R = sampling.sample_target(logits_RQV[:, 0], batch.temperature, batch.top_k, batch.top_p, batch.seeds,
-                                         batch.anchor_pos, greedy=greedy)
-        return dataclasses.replace(state, target_cache=target_cache), token_R[:, None], jnp.zeros_like(token_R)
+                                         anchor_pos_R, greedy=greedy)
+        state = _advance(dataclasses.replace(state, target_cache=target_cache), batch, token_R, anchor_pos_R + 1)
+        return state, token_R[:, None], jnp.zeros_like(token_R)
 
-    draft_probs_RNV = None if greedy else state.draft_probs[jnp.minimum(batch.slots, state.drafts.shape[0] - 1)]
+    draft_probs_RNV = None if greedy else state.draft_probs[slot_R]
     tokens_RQ, accepted_R = sampling.rejection_sample(
-        logits_RQV, drafts_RN, draft_probs_RNV, batch.num_drafts, batch.temperature, batch.top_k, batch.top_p,
-        batch.seeds, batch.anchor_pos, greedy=greedy,
+        logits_RQV, drafts_RN, draft_probs_RNV, num_drafts_R, batch.temperature, batch.top_k, batch.top_p,
+        batch.seeds, anchor_pos_R, greedy=greedy,
     )
     bonus_R = tokens_RQ[rows_R, accepted_R]
     drafter = nnx.merge(graphs[1], params[1])
     draft_caches, draft_logits_RNV = draft_step(
         target, drafter, state.draft_caches, (target_batch.block_table, *batch.window_tables), target_batch, features,
-        num_rejected_R=jnp.where(batch.use_drafts, n - accepted_R, 0),
+        num_rejected_R=jnp.where(batch.verifying, n - accepted_R, 0),
         num_sampled_R=batch.num_sampled,
         last_sampled_R=bonus_R,
         next_prefill_tokens_R=batch.next_prefill_tokens,
         shape=DraftShape(n, shape.max_model_len, shape.layout_impl, shape.attention_impl, shape.draft_block_size),
     )
-    next_anchor_pos_R = batch.anchor_pos + accepted_R + 1
+    next_anchor_pos_R = anchor_pos_R + accepted_R + 1
     new_drafts_RN, new_probs_RNV = sampling.sample_drafts(
         draft_logits_RNV, batch.temperature, batch.top_k, batch.top_p, batch.seeds, next_anchor_pos_R, greedy=greedy
     )
-    state = _DeviceState(
+    state = dataclasses.replace(
+        state,
         target_cache=target_cache,
         draft_caches=draft_caches,
         drafts=state.drafts.at[batch.slots].set(new_drafts_RN, mode="drop"),
         draft_probs=state.draft_probs if greedy else state.draft_probs.at[batch.slots].set(new_probs_RNV, mode="drop"),
     )
-    return state, tokens_RQ, accepted_R
+    return _advance(state, batch, bonus_R, next_anchor_pos_R), tokens_RQ, accepted_R
+
+
+def _verify_rows_from_state(batch: _StepBatch, state: _DeviceState, slot_R) -> tuple[TargetBatch, jax.Array]:
+    """(target batch, anchor position per row): verify rows get their anchor token and
+    positions from the device state, every real token its KV slot."""
+    target = batch.target
+    anchor_pos_R = jnp.where(batch.verifying, state.next_pos[slot_R], batch.anchor_pos)
+    num_tokens = target.token_ids.shape[0]
+    t = jnp.arange(num_tokens)
+    real_T = t < target.query_start_loc[-1]
+    from_state_T = real_T & batch.verifying[target.rows]
+    positions_T = jnp.where(from_state_T, anchor_pos_R[target.rows] + t - target.query_start_loc[target.rows],
+                            target.positions)
+    first_rows_R = jnp.where(batch.verifying, target.query_start_loc[:-1], num_tokens)
+    tokens_T = target.token_ids.at[first_rows_R].set(state.last_token[slot_R], mode="drop")
+    page_size = state.target_cache.page_size
+    pages_T = target.block_table[target.rows, positions_T // page_size]
+    slots_T = jnp.where(real_T, pages_T * page_size + positions_T % page_size, PAD_SLOT)
+    return dataclasses.replace(target, token_ids=tokens_T, positions=positions_T, slots=slots_T), anchor_pos_R
+
+
+def _advance(state: _DeviceState, batch: _StepBatch, token_R, next_pos_R) -> _DeviceState:
+    """Record each sampling row's new last token and its position: the next verify's anchor."""
+    slots_R = jnp.where(batch.num_sampled > 0, batch.slots, state.next_pos.shape[0])
+    return dataclasses.replace(
+        state,
+        last_token=state.last_token.at[slots_R].set(token_R, mode="drop"),
+        next_pos=state.next_pos.at[slots_R].set(next_pos_R, mode="drop"),
+    )

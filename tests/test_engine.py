@@ -30,24 +30,34 @@ def models(tmp_path_factory):
 
 
 def run(engine, prompts, params, arrive_late=(), abort=None):
-    """Add requests (some after a few steps), step until done; returns ids in prompt order."""
+    """Add requests (some after a few steps), step until done; returns ids in prompt order.
+    What `step()` returned adds up to each request's output, finished once (unless aborted)."""
     ids = {i: engine.add_request(p, params) for i, p in enumerate(prompts) if i not in arrive_late}
     steps = 0
+    streamed, finished = {}, []
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finished += [out.request_id] * out.finished
         steps += 1
         if steps == 3:
             ids.update({i: engine.add_request(prompts[i], params) for i in arrive_late})
         if abort is not None and steps == 2:
             engine.abort(ids[abort])
+    assert {i: streamed.get(i, []) for i in ids.values()} == {i: engine.output(i) for i in ids.values()}
+    assert sorted(finished) == sorted(i for k, i in ids.items() if k != abort)
     return [ids[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("drafter_name, block_size", [("full", 4), ("full", 2), ("sliding", 4), (None, None)])
-def test_engine_equals_autoregressive(models, drafter_name, block_size):
+@pytest.mark.parametrize("drafter_name, block_size, async_scheduling", [
+    ("full", 4, True), ("full", 4, False), ("full", 2, True), ("sliding", 4, True), (None, None, True),
+    (None, None, False),
+])
+def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling):
     target, drafters, reference = models
     drafter = drafters.get(drafter_name)
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size, layout_impl="reference")
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size, layout_impl="reference",
+                    async_scheduling=async_scheduling)
     ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20), arrive_late=(3, 4))
     assert [engine.output(i) for i in ids] == reference
     if drafter is not None:
@@ -64,6 +74,25 @@ def test_stop_tokens_and_abort(models):
     outputs = [engine.output(i) for i in ids]
     assert outputs[1:] == expected[1:]
     assert outputs[1][-1] == stop and len(outputs[0]) < 20
+
+
+@pytest.mark.parametrize("drafter_name", ["full", None])
+def test_async_scheduling_returns_each_step_one_call_later(models, drafter_name):
+    """Asynchronous scheduling returns what synchronous returns, one `step()` later; the
+    step a request runs after its stop token (launched before the host saw it) adds nothing."""
+    target, drafters, reference = models
+    stop = reference[2][9]
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=(stop,))
+    returned = {}
+    for async_scheduling in (False, True):
+        engine = Engine(target, drafters.get(drafter_name), max_num_reqs=4, max_num_tokens=32,
+                        layout_impl="reference", async_scheduling=async_scheduling)
+        engine.add_request(PROMPTS[2], params)
+        returned[async_scheduling] = []
+        while engine.has_unfinished():
+            returned[async_scheduling].append(engine.step())
+    assert returned[False][-1][0].finish_reason == "stop"
+    assert returned[True] == [[]] + returned[False]
 
 
 def test_preemption_recomputes_and_stays_exact(models):
@@ -183,13 +212,13 @@ def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_
     target, drafters, _ = models
     drafter = drafters[drafter_name]
     engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference",
-                    block_size=block_size, draft_block_size=draft_block_size)
+                    block_size=block_size, draft_block_size=draft_block_size, async_scheduling=False)
     request_id = engine.add_request(PROMPTS[2][:30], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5))
     checked, other_block_differs = 0, False
     while engine.has_unfinished():
         engine.step()
         request = engine._requests[request_id]
-        if not engine.has_unfinished() or not request.has_drafts:
+        if not engine.has_unfinished() or not request.decoding:
             continue
         tokens = request.tokens
         _, features = dflash_jax.target_forward(target, tokens[:-1], layer_ids=drafter.cfg.target_layer_ids)
