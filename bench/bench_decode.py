@@ -1034,8 +1034,7 @@ def main(argv=None):
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
                env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                    "XLA_FLAGS", "DFLASH_NORM_IMPL", "DFLASH_HEADS_IMPL",
-                                                    "DFLASH_COMBINE_IMPL")},
+                                                    "XLA_FLAGS", "DFLASH_NORM_IMPL", "DFLASH_HEADS_IMPL")},
                points=[], skipped=[], timeline=[])
 
     def save():

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import LayerAttention
-from pallas_kernels.common import use_kernel
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
@@ -171,8 +170,5 @@ def paged_attention_for_step(impl: str, q_req_T, *, num_rows: int, group: int, d
 
     block_q = default_block_q(q_req_T.shape[0], num_rows, group, f32=jnp.dtype(dtype) == jnp.float32)
     kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q)
-    # The key-split combine kernel stays opt-in (DFLASH_COMBINE_IMPL=pallas) until a GPU run
-    # has checked and timed it against XLA's four kernels.
-    combine = "kernel" if use_kernel("DFLASH_COMBINE_IMPL", default="reference") else "jnp"
     return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q),
-                             kv_splits=kv_splits, combine=combine)
+                             kv_splits=kv_splits)

@@ -20,12 +20,11 @@ def quiet_triton_deprecation():
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
-def use_kernel(env_var: str, default: str = "auto") -> bool:
+def use_kernel(env_var: str) -> bool:
     """Whether a Pallas kernel replaces its jnp reference in programs traced now. `env_var`
-    (else `default`) is "auto" (the kernel on a GPU), "reference" (an A/B switch, or a kernel
-    not yet timed on a GPU) or "pallas" (the kernel everywhere; interpret mode off a GPU, for
-    tests of the fused path on CPU)."""
-    impl = os.environ.get(env_var, default)
+    is "auto" (the default: the kernel on a GPU), "reference" (an A/B switch) or "pallas"
+    (the kernel everywhere; interpret mode off a GPU, for tests of the fused path on CPU)."""
+    impl = os.environ.get(env_var, "auto")
     if impl not in ("auto", "reference", "pallas"):
         raise ValueError(f"{env_var} must be auto, reference or pallas, got {impl!r}.")
     return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")

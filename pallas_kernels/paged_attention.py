@@ -45,8 +45,8 @@ block table's width. A chunk's slots come from the block table per key (page ids
 a gathered vector), K/V rows are gathered with computed row indices (``slot * K + k``
 into the cache viewed as ``[X * K, H]``), masked past ``seq_len``. With ``kv_splits = S >
 1`` split s takes chunks s, s + S, ... and writes unnormalised partial results (max, sum,
-accumulator) that an epilogue combines (jnp, or a second small kernel with one program per
-query row): a batch of one long request then fills the GPU (flash-decoding).
+accumulator) that a jnp epilogue combines: a batch of one long request then fills the GPU
+(flash-decoding).
 
 Indexing conventions (Triton lowering and interpret mode alike): every load/store indexes
 with integer arrays (rows ``[M, 1]``, columns ``[1, H]``), never a mix of arrays and
@@ -303,7 +303,7 @@ def _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positi
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "rule", "token_tile", "key_chunk", "interpret", "block_q", "block_k",
-    "kv_splits", "num_warps", "num_stages", "combine"))
+    "kv_splits", "num_warps", "num_stages"))
 def paged_attention_pallas(
     q_TNH,
     q_positions_T,
@@ -324,7 +324,6 @@ def paged_attention_pallas(
     num_warps: int | None = None,
     num_stages: int = 2,
     blocks=None,
-    combine: str = "jnp",
 ):
     """`dflash_jax.attention.paged_attention` as a Pallas kernel; output [T, N, H] in q's dtype.
 
@@ -338,11 +337,7 @@ def paged_attention_pallas(
     num_warps, num_stages: Triton settings (num_warps default 4, or 8 for 128-row blocks).
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
-    combine: how split results are combined (kv_splits > 1): "jnp" (XLA makes four small
-        kernels of it) or "kernel" (`_combine_kernel`, one; not yet timed on a GPU).
     """
-    if combine not in ("jnp", "kernel"):
-        raise ValueError(f"combine must be 'jnp' or 'kernel', got {combine!r}.")
     q_positions_T = jnp.asarray(q_positions_T, jnp.int32)
     q_req_T = jnp.asarray(q_req_T, jnp.int32)
     block_table_RM = jnp.asarray(block_table_RM, jnp.int32)
@@ -396,35 +391,11 @@ def paged_attention_pallas(
       v_slots_XKH.reshape(X * K, H))
     if S == 1:
         return outs[0].reshape(T, N, H)
-    if combine == "jnp":  # the flash-decoding epilogue
-        acc_SRH = outs[0].reshape(S, rows, H)
-        max_SR, sum_SR = outs[1].reshape(S, rows), outs[2].reshape(S, rows)
-        weight_SR = jnp.exp(max_SR - jnp.max(max_SR, axis=0))
-        total_R = jnp.sum(weight_SR * sum_SR, axis=0)
-        out_RH = jnp.sum(weight_SR[..., None] * acc_SRH, axis=0) / jnp.maximum(total_R, 1e-30)[:, None]
-        return out_RH.reshape(T, N, H).astype(q_TNH.dtype)
-    out = pl.pallas_call(
-        functools.partial(_combine_kernel, rows=rows, splits=S),
-        out_shape=jax.ShapeDtypeStruct((rows, H), q_TNH.dtype),
-        grid=(rows,),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        name="paged_attention_combine",
-    )(*outs)
-    return out.reshape(T, N, H)
-
-
-def _combine_kernel(acc_ref, max_ref, sum_ref, o_ref, *, rows: int, splits: int):
-    """The flash-decoding epilogue as one kernel, program r: query row r's S partial softmaxes
-    (max, sum, unnormalised accumulator) rescaled to their common max and summed. As jnp,
-    XLA makes four kernels of it (max, exp, weighted sums, division), ~1.5 us each per layer
-    of a Qwen3-8B decode step (bench/results/2026-11-30-qwen3-8b-shape-h200-s6.md)."""
-    r = pl.program_id(0)
-    part = lax.iota(jnp.int32, splits) * rows + r                   # [S]
-    cols = lax.iota(jnp.int32, acc_ref.shape[1])[None, :]           # [1, H]
-    max_S, sum_S = plgpu.load(max_ref.at[part]), plgpu.load(sum_ref.at[part])
-    acc_SH = plgpu.load(acc_ref.at[part[:, None], cols])
-    weight_S = jnp.exp(max_S - jnp.max(max_S))
-    total = jnp.sum(weight_S * sum_S)
-    out_H = jnp.sum(weight_S[:, None] * acc_SH, axis=0) / jnp.maximum(total, 1e-30)
-    plgpu.store(o_ref.at[jnp.full((1, 1), r), cols], out_H[None, :].astype(o_ref.dtype))
+    # The flash-decoding epilogue. As one Pallas kernel (a program per query row) it made the
+    # Qwen3-8B AR step 0.22 ms slower than XLA's kernels (bench/NOTES.md, session 7).
+    acc_SRH = outs[0].reshape(S, rows, H)
+    max_SR, sum_SR = outs[1].reshape(S, rows), outs[2].reshape(S, rows)
+    weight_SR = jnp.exp(max_SR - jnp.max(max_SR, axis=0))
+    total_R = jnp.sum(weight_SR * sum_SR, axis=0)
+    out_RH = jnp.sum(weight_SR[..., None] * acc_SRH, axis=0) / jnp.maximum(total_R, 1e-30)[:, None]
+    return out_RH.reshape(T, N, H).astype(q_TNH.dtype)

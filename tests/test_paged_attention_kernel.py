@@ -186,13 +186,6 @@ FUZZ = {
     "causal_f32_p16_split4_bq4": (
         Config(CAUSAL, "float32", 16, 2, 4, 32, 48, 4, 8,
                (("kv_splits", 4), ("block_k", 16), ("block_q", 4))), (1, 4), 8),
-    # the splits combined by the epilogue kernel instead of jnp
-    "causal_f32_p16_split4_combine_kernel": (
-        Config(CAUSAL, "float32", 16, 2, 4, 32, 48, 4, 8,
-               (("kv_splits", 4), ("block_k", 16), ("combine", "kernel"))), (1, 4), 8),
-    "window_noncausal_gqa2_bf16_p16_split16_combine_kernel": (
-        Config(LayerAttention(False, 12), "bfloat16", 16, 2, 2, 32, 48, 4, 6,
-               (("kv_splits", 16), ("combine", "kernel"))), (1, 2), 6),
 }
 
 
@@ -306,8 +299,8 @@ def test_bad_inputs_are_value_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),), (("kv_splits", 16), ("combine", "kernel"))],
-                         ids=["splits1", "splits4", "splits16-combine-kernel"])
+@pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),), (("kv_splits", 16),)],
+                         ids=["splits1", "splits4", "splits16"])
 @pytest.mark.parametrize("rule", [CAUSAL, FULL, LayerAttention(True, 64),
                                   LayerAttention(False, 64)], ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
