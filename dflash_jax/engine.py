@@ -115,8 +115,8 @@ class _Request:
     # Positions 0..num_computed-1 have target (and draft) K/V, counting prefill chunks when
     # launched and verify steps when committed (their accepted length is known then).
     num_computed: int = 0
-    # Prefill is done: each step verifies 1 + N rows whose anchor token and position (and
-    # drafts) the device holds, for the verify step in flight too.
+    # The last prefill chunk is launched: each later step verifies 1 + N rows whose anchor
+    # token and position (and drafts) the device holds, for the verify step in flight too.
     decoding: bool = False
     in_flight: _Work | None = None  # this request's share of the launched, uncommitted step
 
@@ -278,7 +278,7 @@ class Engine:
         self._running: list[_Request] = []
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self._next_id = 0
-        self.async_scheduling = async_scheduling
+        self._async_scheduling = async_scheduling
         self._launched: _Launched | None = None  # the step in flight (asynchronous scheduling)
 
     # ---- public API ---------------------------------------------------------------------
@@ -309,6 +309,11 @@ class Engine:
         if request in self._waiting:
             self._waiting.remove(request)
         self._finish(request)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Fixed at construction: switching with a step in flight would lose that step."""
+        return self._async_scheduling
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -376,13 +381,15 @@ class Engine:
             self._running.append(request)
         budget = self.max_num_tokens
         work: list[_Work] = []
+        ending: list[_Request] = []  # finished by the step in flight: their pages free at its commit
         for request in list(self._running):
             if request.status is not _Status.RUNNING:
                 continue  # preempted while scheduling an earlier request
             flight = request.in_flight
             if request.decoding:
                 if flight is not None and request.num_generated + 1 >= request.params.max_new_tokens:
-                    continue  # the step in flight gives its last token
+                    ending.append(request)  # the step in flight gives its last token
+                    continue
                 rows = 1 + self.num_drafts
                 # The anchor is at most the step in flight's verify rows past num_computed.
                 end = request.num_computed + (rows if flight is not None and flight.verifying else 0) + rows
@@ -391,7 +398,7 @@ class Engine:
                 end = request.num_computed + rows
             if not 0 < rows <= budget:
                 continue
-            if not self._reserve(request, end + self._lookahead, [w.request for w in work]):
+            if not self._reserve(request, end + self._lookahead, ending + [w.request for w in work]):
                 continue
             samples = request.decoding or end == len(request.tokens)
             work.append(_Work(request, rows, request.decoding, samples, request.epoch))
@@ -430,7 +437,7 @@ class Engine:
                 request.pages += self.allocator.allocate(missing)
                 break
             except OutOfPages:
-                victims = [r for r in self._running if r is not request and r not in protected]
+                victims = [r for r in self._running if r is not request and r not in protected and r.pages]
                 if not victims:
                     return False
                 self._preempt(victims[-1])
@@ -443,7 +450,9 @@ class Engine:
     def _evict_out_of_window(self, request: _Request) -> None:
         """Give back windowed-group pages no future query can see (spec section 2's window)."""
         for table, allocator, window in zip(request.window_pages, self._window_allocators, self._groups.windows[1:]):
-            # The next queries sit at positions >= num_computed and see keys >= q - (W - 1).
+            # The next queries sit at positions >= num_computed and see keys >= q - (W - 1). A
+            # prefill chunk in flight may still read a page freed here: steps run on the device
+            # in launch order, so whoever gets the page next writes it after that chunk.
             first_visible = request.num_computed - window + 1
             for block in range(max(first_visible, 0) // self.page_size):
                 if table[block] != NULL_PAGE:
@@ -467,6 +476,9 @@ class Engine:
         self._waiting.appendleft(request)
 
     def _finish(self, request: _Request) -> None:
+        """Free the request's slot and pages now, even with a step of it in flight: steps run
+        on the device in launch order (each takes the state the last one donated), so a
+        later owner's writes land after that step."""
         if request in self._running:
             self._running.remove(request)
             self._free_slots.append(request.slot)
@@ -528,8 +540,9 @@ class Engine:
                 continue
             if request.in_flight is w:
                 request.in_flight = None
-            accepted = int(accepted_R[r]) if w.verifying else 0
+            accepted = 0
             if w.verifying:
+                accepted = int(accepted_R[r])
                 request.num_computed += accepted + 1
             if self._window_allocators:
                 self._evict_out_of_window(request)
@@ -676,7 +689,7 @@ def _engine_step(graphs, params, state: _DeviceState, batch: _StepBatch, *, shap
     num_rows, num_query = batch.verify_rows.shape
     n = shape.num_drafts
     rows_R = jnp.arange(num_rows)
-    slot_R = jnp.minimum(batch.slots, state.next_pos.shape[0] - 1)  # padding rows read slot 0, write nothing
+    slot_R = jnp.minimum(batch.slots, state.next_pos.shape[0] - 1)  # padding rows read the last slot, write nothing
     target_batch, anchor_pos_R = _verify_rows_from_state(batch, state, slot_R)
     drafts_RN = state.drafts[slot_R]
     num_drafts_R = jnp.where(batch.verifying, jnp.clip(batch.last_pos - anchor_pos_R - 1, 0, n), 0)

@@ -271,6 +271,8 @@ def test_more_refusals(models):
         engine.add_request([1], SamplingParams(seed=2**31))
     with pytest.raises(ValueError, match="no request with id 7"):
         engine.output(7)
+    with pytest.raises(AttributeError):  # switching modes with a step in flight would lose it
+        engine.async_scheduling = False
     with pytest.raises(ValueError, match="need a drafter"):
         Engine(target, None, block_size=4)
     with pytest.raises(ValueError, match="not both"):
