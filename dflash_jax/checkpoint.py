@@ -94,10 +94,13 @@ def load_model(path: str | Path, dtype=None) -> Target | Drafter:
 
 
 def load_target(path: str | Path, dtype=None) -> Target:
-    """The target model at `path` (orbax or HF folder); `dtype` None keeps the stored dtype."""
+    """The target model at `path` (orbax or HF folder); `dtype` None keeps the stored dtype.
+    On a CPU backend a tied model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
     model = load_model(path, dtype)
     if not isinstance(model, Target):
         raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")
+    if jax.default_backend() == "cpu":
+        model.transpose_tied_head()
     return model
 
 

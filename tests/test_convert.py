@@ -46,6 +46,19 @@ def test_target_round_trip(tmp_path, save_kwargs):
     assert leftovers(tmp_path, {"hf", "out"}) == []
 
 
+def test_tied_head_reads_a_derived_copy_that_is_never_saved(tmp_path):
+    """On CPU a tied target's LM head multiplies by a [D, V] copy of the embedding table
+    (`Target.transpose_tied_head`); the Params a checkpoint saves do not include it."""
+    from flax import nnx
+
+    target = dflash_jax.load_target(save_hf(make_hf_target("llama", tie_word_embeddings=True), tmp_path / "hf"))
+    table = np.asarray(target.embed_tokens.embedding[...])
+    np.testing.assert_array_equal(np.asarray(target.head_DV[...]), table.T)
+    h = np.random.default_rng(0).standard_normal((3, table.shape[1])).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(target.unembed(h)), h @ table.T, rtol=1e-5, atol=1e-5)
+    assert "head_DV" not in nnx.to_pure_dict(nnx.state(target, nnx.Param))
+
+
 def test_bf16_checkpoint_round_trip_and_dtype_choice(tmp_path):
     hf_dir = save_hf(make_hf_target("qwen3").to(torch.bfloat16), tmp_path / "hf")
     convert_ok(hf_dir, tmp_path / "out")
