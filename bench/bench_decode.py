@@ -41,8 +41,9 @@ steps     The cycle's parts, each a jitted loop of the runtime's own functions a
 engine    The Engine without a drafter: B requests, prefill, then the median wall time of one
           `Engine.step()` over --engine-steps decode steps (host scheduling and the per-step
           device round trip included: that is how the Engine runs), with asynchronous
-          scheduling (the default: the host's work overlaps the device's) and without (sync).
-          Same prefill limit.
+          scheduling (the default: the host's work overlaps the device's) and without (sync);
+          then the Engine with the drafter (its block size; asynchronous), whose step is a
+          DFlash cycle. Same prefill limit.
 
 Also: `copy`, the device copy bandwidth (the faster of x + 1 and jnp.copy over a large bf16
 array; read + write counted, as ENVIRONMENT.md's 4.24 TB/s); `bandwidth`, AR step bytes (target weights streamed:
@@ -428,13 +429,15 @@ def section_generate(pair, prompts, impl, opts):
 
 
 def section_engine(pair, prompts, impl, opts):
-    """The Engine's decode step with asynchronous scheduling (its default) and without."""
+    """The Engine's decode step with asynchronous scheduling (its default) and without, and
+    its DFlash step (the drafter's block) with asynchronous scheduling."""
     result = time_engine(pair, prompts, impl, opts, async_scheduling=True)
     result["sync"] = time_engine(pair, prompts, impl, opts, async_scheduling=False)
+    result["dflash"] = time_engine(pair, prompts, impl, opts, async_scheduling=True, drafter=pair.drafter)
     return result
 
 
-def time_engine(pair, prompts, impl, opts, async_scheduling):
+def time_engine(pair, prompts, impl, opts, async_scheduling, drafter=None):
     from dflash_jax.engine import Engine, SamplingParams
 
     batch, context = len(prompts), len(prompts[0])
@@ -442,10 +445,12 @@ def time_engine(pair, prompts, impl, opts, async_scheduling):
     budget = max(next_pow2(batch), min(next_pow2(batch * context), 8192))
     # Requests whose prefill ends early decode during the later prefill steps: room for those
     # extra tokens, so that no request finishes (shrinking the batch into a new bucket, which
-    # would compile) inside the timed steps.
-    max_new = steps + warm + 2 + -(-batch * context // budget)
-    engine = Engine(pair.target, None, max_num_reqs=next_pow2(batch), max_num_tokens=budget,
-                    max_model_len=context + max_new + PAGE_SIZE, attention_impl=impl, async_scheduling=async_scheduling)
+    # would compile) inside the timed steps. Random drafts are rarely accepted: twice that
+    # many tokens leave a DFlash step room for a few.
+    max_new = (steps + warm + 2 + -(-batch * context // budget)) * (1 if drafter is None else 2)
+    engine = Engine(pair.target, drafter, max_num_reqs=next_pow2(batch), max_num_tokens=budget,
+                    max_model_len=context + max_new + 2 * PAGE_SIZE, attention_impl=impl,
+                    async_scheduling=async_scheduling)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     t0 = time.perf_counter()
     prefill_steps = 0
@@ -768,6 +773,7 @@ def derived(result, copy_Bps):
     ar = ar_gen or ar_step
     out = dict(ar_s=ar, ar_source="generate" if ar_gen else "steps" if ar_step else None, engine_s=eng.get("step_s"),
                engine_sync_s=(eng.get("sync") or {}).get("step_s"),
+               engine_dflash_s=(eng.get("dflash") or {}).get("step_s"),
                ar_bytes=result["ar_bytes"], cycle_bytes=result["cycle_bytes"], blocks={})
     if copy_Bps:
         out["ar_floor_s"] = result["ar_bytes"] / copy_Bps
@@ -812,16 +818,18 @@ def report(run):
     points = [p for p in run["points"] if "derived" in p]
     lines += ["", "## Autoregressive step (ms)", "",
               "generate: `generate_autoregressive`, n - m method; Engine: median `step()` wall time (host "
-              "round trip included), with asynchronous scheduling (the default) and without (sync); step: `target_step` + `sample_target` in a device loop; floor: "
+              "round trip included), with asynchronous scheduling (the default) and without (sync), and "
+              "its DFlash step (drafter's block, random drafts, asynchronous); step: `target_step` + `sample_target` in a device loop; floor: "
               "weights streamed + K/V read over the copy bandwidth; GB/s and share from generate (else step).", "",
-              "| B | ctx | attention | generate | Engine | Engine sync | step | floor | GB/s | share of copy |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| B | ctx | attention | generate | Engine | Engine sync | Engine DFlash | step | floor | GB/s | share of copy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         d = p["derived"]
         step = ((p.get("steps") or {}).get("ar_step") or {}).get("s")
         gen = d["ar_s"] if d["ar_source"] == "generate" else None
         lines.append(f"| {p['batch']} | {p['context']} | {p['attention_impl']} | {fmt(ms(gen))} "
-                     f"| {fmt(ms(d['engine_s']))} | {fmt(ms(d.get('engine_sync_s')))} | {fmt(ms(step))} "
+                     f"| {fmt(ms(d['engine_s']))} | {fmt(ms(d.get('engine_sync_s')))} "
+                     f"| {fmt(ms(d.get('engine_dflash_s')))} | {fmt(ms(step))} "
                      f"| {fmt(ms(d.get('ar_floor_s')))} "
                      f"| {fmt(d.get('ar_GBps'), 0)} | {fmt(d.get('ar_share_of_copy'))} |")
     lines += ["", "## DFlash cycle (ms)", "",

@@ -49,7 +49,7 @@ decode b32 110 "" --points "$(big 32x1k 2x128)" --block-sizes 8,4 --sections gen
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-print(f"\n{'run':<12} {'point':<8} {'block':>5} {'AR ms':>7} {'cycle ms':>9} {'Engine ms':>10} {'sync ms':>8}")
+print(f"\n{'run':<12} {'point':<8} {'block':>5} {'AR ms':>7} {'cycle ms':>9} {'Engine ms':>10} {'sync ms':>8} {'Engine DFlash ms':>17}")
 for name in ("b1", "engine", "b32"):
     path = out / f"{name}.json"
     if not path.exists():
@@ -58,10 +58,11 @@ for name in ("b1", "engine", "b32"):
     for p in json.loads(path.read_text()).get("points", []):
         d = p.get("derived", {})
         ar = d.get("ar_s")
-        engine, sync = d.get("engine_s"), d.get("engine_sync_s")
+        engine, sync, eng_dflash = d.get("engine_s"), d.get("engine_sync_s"), d.get("engine_dflash_s")
         for block, b in (d.get("blocks") or {"-": {}}).items():
             cycle = b.get("cycle_s")
             print(f"{name:<12} {p['batch']}x{p['context']:<6} {block:>5} {ar * 1e3 if ar else float('nan'):7.2f} "
                   f"{cycle * 1e3 if cycle else float('nan'):9.2f} {engine * 1e3 if engine else float('nan'):10.2f} "
-                  f"{sync * 1e3 if sync else float('nan'):8.2f}")
+                  f"{sync * 1e3 if sync else float('nan'):8.2f} "
+                  f"{eng_dflash * 1e3 if eng_dflash else float('nan'):17.2f}")
 PY

@@ -23,7 +23,8 @@ def test_small_run_records_every_section(tmp_path, dtype):
     # The generate timings are differences of two runs (n - m method): at these tiny sizes and
     # one repetition noise can make them negative, so only their presence is checked.
     assert derived["ar_s"] is not None and derived["blocks"]["16"]["cycle_s"] is not None
-    assert derived["engine_s"] > 0 and derived["engine_sync_s"] > 0
+    assert derived["engine_s"] > 0 and derived["engine_sync_s"] > 0 and derived["engine_dflash_s"] > 0
+    assert point["engine"]["dflash"]["new_traces_in_timed_steps"] == 0
     assert all(point["steps"][key] is not None for key in point["steps"])
     itemsize = {"bfloat16": 2, "float32": 4}[dtype]
     cfg = bench_decode.TARGET_SMALL  # the K/V bytes follow the dtype
