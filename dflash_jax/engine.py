@@ -651,7 +651,7 @@ def _unpack(ints, floats, layout) -> _StepBatch:
     f = {name: buffer[offset : offset + int(np.prod(shape))].reshape(shape)
          for buffer, fields in zip((ints, floats), layout) for name, shape, offset in fields}
     target = TargetBatch(
-        token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,
+        token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,  # `_verify_rows_from_state`
         query_start_loc=f["query_start_loc"], block_table=f["block_table"], logits_rows=f["verify_rows"].reshape(-1),
     )
     window_tables = tuple(f[name] for name, _, _ in layout[0] if name.startswith("window_table_"))
