@@ -819,9 +819,11 @@ def report(run):
     lines += ["", "## Autoregressive step (ms)", "",
               "generate: `generate_autoregressive`, n - m method; Engine: median `step()` wall time (host "
               "round trip included), with asynchronous scheduling (the default) and without (sync), and "
-              "its DFlash step (drafter's block, random drafts, asynchronous); step: `target_step` + `sample_target` in a device loop; floor: "
+              "its DFlash step (drafter's block, random drafts, asynchronous); step: `target_step` + "
+              "`sample_target` in a device loop; floor: "
               "weights streamed + K/V read over the copy bandwidth; GB/s and share from generate (else step).", "",
-              "| B | ctx | attention | generate | Engine | Engine sync | Engine DFlash | step | floor | GB/s | share of copy |",
+              "| B | ctx | attention | generate | Engine | Engine sync | Engine DFlash | step | floor | GB/s "
+              "| share of copy |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         d = p["derived"]
