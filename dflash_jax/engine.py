@@ -43,6 +43,7 @@ from dflash_jax.kv_cache import (
     PageAllocator,
     PagedKVCache,
     kv_cache_bytes,
+    slots_of,
 )
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
@@ -749,9 +750,8 @@ def _verify_rows_from_state(batch: _StepBatch, state: _DeviceState, slot_R) -> t
                             target.positions)
     first_rows_R = jnp.where(batch.verifying, target.query_start_loc[:-1], num_tokens)
     tokens_T = target.token_ids.at[first_rows_R].set(state.last_token[slot_R], mode="drop")
-    page_size = state.target_cache.page_size
-    pages_T = target.block_table[target.rows, positions_T // page_size]
-    slots_T = jnp.where(real_T, pages_T * page_size + positions_T % page_size, PAD_SLOT)
+    slots_T = jnp.where(real_T, slots_of(target.block_table, positions_T, state.target_cache.page_size, target.rows),
+                        PAD_SLOT)
     return dataclasses.replace(target, token_ids=tokens_T, positions=positions_T, slots=slots_T), anchor_pos_R
 
 

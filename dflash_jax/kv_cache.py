@@ -79,11 +79,15 @@ def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, 
     return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def slots_of(block_table, positions, page_size: int):
+def slots_of(block_table, positions, page_size: int, rows=None):
     """Slot of each position through its block table row: `block_table` [..., max_blocks] and
-    `positions` [..., n] with the same leading shape; numpy on the host, jax on the device."""
-    xp = np if isinstance(block_table, np.ndarray) else jnp
-    pages = xp.take_along_axis(block_table, positions // page_size, axis=-1)
+    `positions` [..., n] with the same leading shape; or, for ragged tokens, `block_table`
+    [R, max_blocks] and `rows` [T], each token's row. numpy on the host, jax on the device."""
+    if rows is not None:
+        pages = block_table[rows, positions // page_size]
+    else:
+        xp = np if isinstance(block_table, np.ndarray) else jnp
+        pages = xp.take_along_axis(block_table, positions // page_size, axis=-1)
     return pages * page_size + positions % page_size
 
 
