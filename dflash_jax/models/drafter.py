@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, linear
+from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
 
 
 class Drafter(nnx.Module):
@@ -51,7 +51,7 @@ class Drafter(nnx.Module):
             kernels.append(attn.qkv_proj.kernel[...][:, attn.kv_columns()])
             if cfg.attention_bias:
                 biases.append(attn.qkv_proj.bias[...][attn.kv_columns()])
-        kv_SX = ctx_SD @ jnp.concatenate(kernels, axis=1)
+        kv_SX = dot_general(ctx_SD, jnp.concatenate(kernels, axis=1), (((1,), (0,)), ((), ())))
         if biases:
             kv_SX = kv_SX + jnp.concatenate(biases)
         kv_S2LKH = kv_SX.reshape(ctx_SD.shape[0], 2 * cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

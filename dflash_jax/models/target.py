@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, linear, logical
+from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear, logical
 
 
 class DerivedWeight(nnx.Variable):
@@ -48,14 +48,15 @@ class Target(nnx.Module):
         return self.embed_tokens.embedding[...].dtype
 
     def transpose_tied_head(self) -> None:
-        """Give a tied model's LM head its own [D, V] copy of the embedding table.
+        """Give a tied float32 model's LM head its own [D, V] copy of the embedding table.
 
-        XLA CPU multiplies 2-16 rows by the [V, D] table transposed ~1 ms slower than by a
-        [D, V] copy (SmolLM2-135M on 2 cores: 4.5 vs 3.5 ms at 4 rows; the same at one row),
-        and a DFlash cycle pays it twice (verify and draft heads): the copy (113 MB there)
-        made the CPU demo's DFlash 4% faster (57.4 vs 55.1 tokens/s, interleaved runs in one
-        process; autoregressive unchanged). `load_target` adds it on CPU backends."""
-        if self.cfg.tie_word_embeddings:
+        XLA CPU multiplies 2-16 float32 rows by the [V, D] table transposed ~1 ms slower than
+        by a [D, V] copy (SmolLM2-135M on 2 cores: 4.5 vs 3.5 ms at 4 rows; the same at one
+        row), and a DFlash cycle pays it twice (verify and draft heads): the copy (113 MB
+        there) made the CPU demo's float32 DFlash 4% faster (57.4 vs 55.1 tokens/s,
+        interleaved runs in one process). In bfloat16 the [V, D] table is the faster one
+        (2.2 vs 3.0 ms at 4 rows): no copy. `load_target` calls this on CPU backends."""
+        if self.cfg.tie_word_embeddings and self.dtype == jnp.float32:
             self.head_DV = DerivedWeight(jnp.transpose(self.embed_tokens.embedding[...]))
 
     def embed(self, token_ids_T):
@@ -64,12 +65,12 @@ class Target(nnx.Module):
     def unembed(self, h_TD):
         """float32 logits [T, V] from final-normed hidden states (tied or separate head)."""
         if hasattr(self, "head_DV"):
-            return jnp.einsum("td,dv->tv", h_TD, self.head_DV[...], preferred_element_type=jnp.float32)
-        if self.cfg.tie_word_embeddings:
-            w_VD = self.embed_tokens.embedding[...]
-            return jnp.einsum("td,vd->tv", h_TD, w_VD, preferred_element_type=jnp.float32)
-        w_DV = self.lm_head.kernel[...]
-        return jnp.einsum("td,dv->tv", h_TD, w_DV, preferred_element_type=jnp.float32)
+            w, contract = self.head_DV[...], 0
+        elif self.cfg.tie_word_embeddings:
+            w, contract = self.embed_tokens.embedding[...], 1
+        else:
+            w, contract = self.lm_head.kernel[...], 0
+        return dot_general(h_TD, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
 
     def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = ()):
         """Returns (final-normed hidden [T, D], outputs of `layer_ids` concatenated [T, n*D])."""

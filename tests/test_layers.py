@@ -1,0 +1,41 @@
+"""`layers.dot_general`: the models' products, with the CPU bfloat16 path (float32 result,
+one row run as two) that makes bfloat16 decoding fast on XLA CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.layers import dot_general
+
+NN = (((1,), (0,)), ((), ()))   # [M, K] x [K, N]
+NT = (((1,), (1,)), ((), ()))   # [M, K] x [N, K] (the tied LM head)
+
+
+def bf16(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("dims", [NN, NT], ids=["NN", "NT"])
+@pytest.mark.parametrize("result", [None, jnp.float32], ids=["bf16-result", "f32-result"])
+def test_bf16_products_match_float32(rows, dims, result):
+    rng = np.random.default_rng(rows)
+    x, w = bf16(rng, rows, 48), bf16(rng, 48, 40) if dims == NN else bf16(rng, 40, 48)
+    out = jax.jit(lambda x, w: dot_general(x, w, dims, preferred_element_type=result))(x, w)
+    expect = jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims)
+    assert out.shape == (rows, 40) and out.dtype == (result or jnp.bfloat16)
+    # float32 accumulation, one rounding to the result's dtype at the end
+    tol = 0 if result else 2.0 ** -8
+    np.testing.assert_allclose(np.asarray(out, np.float32), expect, rtol=tol, atol=1e-5 if result else 2e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path; elsewhere lax.dot_general as is")
+def test_one_bf16_row_runs_as_two_with_a_float32_result():
+    """The HLO of a 1-row bf16 product on CPU: a 2-row product into float32 (XLA CPU's
+    1-row and bf16-result products are ~10x slower there); float32 products are untouched."""
+    x, w = jnp.ones((1, 48), jnp.bfloat16), jnp.ones((48, 40), jnp.bfloat16)
+    hlo = jax.jit(lambda x, w: dot_general(x, w, NN)).lower(x, w).as_text()
+    assert "tensor<2x40xf32>" in hlo and "tensor<1x40xbf16>" in hlo
+    hlo32 = jax.jit(lambda x, w: dot_general(x, w, NN)).lower(x.astype(jnp.float32), w.astype(jnp.float32)).as_text()
+    assert "tensor<2x40" not in hlo32 and "tensor<1x40xf32>" in hlo32
