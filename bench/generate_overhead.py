@@ -1,0 +1,77 @@
+"""Where a batch-1 `generate` call's time goes besides its decode steps: SmolLM2-135M shape
+(random weights), one 64-token prompt, autoregressive and DFlash (block 16).
+
+    python bench/generate_overhead.py [--dtype bfloat16] [--model smollm2-135m]
+
+Times `elapsed_s` (the call's dispatch to its result on the host) at several max_new_tokens
+n and fits elapsed = fixed + n * per-token (random drafts accept nothing, so a DFlash call
+runs n cycles); then the host's share of the fixed part: `nnx.split` (before the timed
+region), the jit cache lookup of the static graph definitions (hash + equality), and the
+dispatch of the compiled program. Medians of --reps calls.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--lengths", default="2,17,65,129")
+    args = parser.parse_args()
+    import jax
+    from flax import nnx
+
+    from bench_decode import build_pair
+    from dflash_jax.generate import generate, generate_autoregressive
+
+    pair = build_pair(args.model, args.dtype)
+    prompt = [list(np.random.default_rng(0).integers(100, 1000, 64))]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    runs = {
+        "autoregressive": lambda n: generate_autoregressive(pair.target, prompt, max_new_tokens=n),
+        "dflash b16": lambda n: generate(pair.target, pair.drafter, prompt, max_new_tokens=n, block_size=16),
+    }
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.model} {args.dtype}, ms (medians of {args.reps})")
+    for name, run in runs.items():
+        points = []
+        for n in lengths:
+            run(n)  # compile
+            elapsed = statistics.median(run(n).elapsed_s for _ in range(args.reps)) * 1e3
+            wall = median_ms(lambda: run(n), args.reps)
+            steps = max(len(a) for a in run(n).accepted_lengths)
+            points.append((steps, elapsed, wall))
+            print(f"  {name:<15} n={n:<4} steps={steps:<4} elapsed {elapsed:8.2f}  call wall {wall:8.2f}")
+        slope, fixed = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+        wall_slope, wall_fixed = np.polyfit([p[0] for p in points], [p[2] for p in points], 1)
+        print(f"  {name:<15} fit: elapsed = {fixed:.2f} + steps x {slope:.3f}; call wall = {wall_fixed:.2f} + steps x "
+              f"{wall_slope:.3f}")
+    models = (pair.target, pair.drafter)
+    graphs = tuple(nnx.split(m)[0] for m in models)
+    print(f"  nnx.split of both models: {median_ms(lambda: [nnx.split(m) for m in models], args.reps):.2f}")
+    print(f"  hash of fresh graph definitions: "
+          f"{median_ms(lambda: hash(tuple(nnx.split(m)[0] for m in models)), args.reps) - median_ms(lambda: [nnx.split(m) for m in models], args.reps):.2f}")
+    fresh = tuple(nnx.split(m)[0] for m in models)
+    print(f"  equality with the cached ones: {median_ms(lambda: graphs == fresh, args.reps):.2f}")
+
+
+if __name__ == "__main__":
+    main()
