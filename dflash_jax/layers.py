@@ -36,12 +36,12 @@ def logical(initializer, axes: tuple[str | None, ...]):
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`lax.dot_general` for the models' products (layers, LM head, drafter context).
 
-    On a CPU backend a bfloat16 product asks XLA for a float32 result (cast back)
-    and runs a single row as two: on 2 EPYC cores with avx512_bf16 (jax 0.10), 30 layers of
-    SmolLM2-135M's MLP product took 54 ms bf16 x bf16 -> bf16 at one row (32 ms for its LM
-    head), 4.7 ms with a float32 result at 2-4 rows, and 6.3-6.7 ms in float32. With both,
-    bfloat16 SmolLM2 decodes faster than float32 there, and a 4-8-row verify block costs about
-    what one row does. Elsewhere it is `lax.dot_general` unchanged.
+    On a CPU backend a bfloat16 product asks XLA for a float32 result (cast back) and runs a
+    single row as two: on 2 EPYC cores with avx512_bf16 (jax 0.10), 30 layers of SmolLM2-135M's
+    gate/up product took ~60 ms with a bfloat16 result at any row count and with a float32
+    result at one row, but 5.3-5.6 ms at 2-8 rows, against 5.9-8.6 ms in float32
+    (bench/cpu_products.py). With both, bfloat16 SmolLM2 decodes faster than float32 there and
+    a 4-8-row verify block costs about what one row does. Elsewhere it is `lax.dot_general`.
     """
     if jax.default_backend() != "cpu" or lhs.dtype != jnp.bfloat16:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
