@@ -1,7 +1,7 @@
 """The dense, uncached API: one sequence, no KV cache. For experiments and parity tests.
 
-Each call splits the model and runs a `jax.jit`-compiled function keyed on the graph
-definition, so repeated calls with the same shapes do not retrace.
+Each call hands the models to a `jax.jit`-compiled function as pytrees (NNX modules are),
+so repeated calls with the same shapes do not retrace and always read the current parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dflash_jax.attention import dense_attention, position_mask
 from dflash_jax.config import LayerAttention, check_drafter_fits_target
@@ -41,13 +40,11 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = ()):
     layer_ids = tuple(int(i) for i in layer_ids)
     if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
         raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
-    graphdef, state = nnx.split(target)
-    return _target_forward(graphdef, state, ids, layer_ids)
+    return _target_forward(target, ids, layer_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layer_ids"))
-def _target_forward(graphdef, state, ids_T, layer_ids):
-    target = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnames=("layer_ids",))
+def _target_forward(target, ids_T, layer_ids):
     positions_T = jnp.arange(ids_T.shape[0], dtype=jnp.int32)
     mask_TT = position_mask(positions_T, positions_T, CAUSAL)
 
@@ -75,15 +72,11 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids):
             f"features must be [S, {drafter.cfg.fc_in_features}] (target layers "
             f"{list(drafter.cfg.target_layer_ids)} concatenated), got {list(features.shape)}."
         )
-    target_graph, target_state = nnx.split(target)
-    drafter_graph, drafter_state = nnx.split(drafter)
-    return _draft_logits(target_graph, target_state, drafter_graph, drafter_state, features, block)
+    return _draft_logits(target, drafter, features, block)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph"))
-def _draft_logits(target_graph, target_state, drafter_graph, drafter_state, features_SF, block_B):
-    target = nnx.merge(target_graph, target_state)
-    drafter = nnx.merge(drafter_graph, drafter_state)
+@jax.jit
+def _draft_logits(target, drafter, features_SF, block_B):
     num_ctx, block_size = features_SF.shape[0], block_B.shape[0]
     ctx_positions_S = jnp.arange(num_ctx, dtype=jnp.int32)
     block_positions_B = num_ctx + jnp.arange(block_size, dtype=jnp.int32)

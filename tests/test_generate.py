@@ -70,6 +70,24 @@ def test_stop_tokens_end_requests_at_different_times(pair):
     assert len({len(t) for t in spec.token_ids}) > 1
 
 
+def test_parameters_changed_between_calls_are_used(tmp_path):
+    """generate reads a model's parameters at every call (no copy kept between calls): after
+    swapping two tokens' LM-head columns, its output follows transformers with the same swap."""
+    hf = biased_target(seed=3)
+    target = dflash_jax.load_target(save_hf(hf, tmp_path / "target"))
+    assert not target.cfg.tie_word_embeddings  # the swap below touches the LM head only
+    prompt = PROMPTS[1]
+    before = generate_autoregressive(target, [prompt], max_new_tokens=16).token_ids[0]
+    assert before == hf_greedy(hf, prompt, 16) and {10, 20} & set(before)
+    with torch.no_grad():
+        hf.lm_head.weight[[10, 20]] = hf.lm_head.weight[[20, 10]].clone()
+    columns = np.arange(target.cfg.vocab_size)
+    columns[[10, 20]] = [20, 10]
+    target.lm_head.kernel.value = target.lm_head.kernel.value[:, columns]
+    after = generate_autoregressive(target, [prompt], max_new_tokens=16).token_ids[0]
+    assert after != before and after == hf_greedy(hf, prompt, 16)
+
+
 def zlab_generate(zlab, hf, prompt, max_new_tokens, block_size=None):
     import dflash.model as zmodel
 
