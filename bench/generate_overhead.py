@@ -54,10 +54,10 @@ def main():
     for name, run in runs.items():
         points = []
         for n in lengths:
-            run(n)  # compile
+            result = run(n)  # compile
+            steps = max(len(a) for a in result.accepted_lengths)
             elapsed = statistics.median(run(n).elapsed_s for _ in range(args.reps)) * 1e3
             wall = median_ms(lambda: run(n), args.reps)
-            steps = max(len(a) for a in run(n).accepted_lengths)
             points.append((steps, elapsed, wall))
             print(f"  {name:<15} n={n:<4} steps={steps:<4} elapsed {elapsed:8.2f}  call wall {wall:8.2f}")
         slope, fixed = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
@@ -67,9 +67,8 @@ def main():
     models = (pair.target, pair.drafter)
     print(f"  jax.tree.flatten of both models (what jit does per call): "
           f"{median_ms(lambda: jax.tree.flatten(models), args.reps):.2f}")
-    print(f"  nnx.split of both models (what generate did per call before): "
-          f"{median_ms(lambda: [nnx.split(m) for m in models], args.reps):.2f}")
     split = median_ms(lambda: [nnx.split(m) for m in models], args.reps)
+    print(f"  nnx.split of both models (what generate did per call before): {split:.2f}")
     print(f"  hash of fresh graph definitions (jit's cache lookup then): "
           f"{median_ms(lambda: hash(tuple(nnx.split(m)[0] for m in models)), args.reps) - split:.2f}")
 

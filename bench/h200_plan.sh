@@ -10,22 +10,7 @@
 # Each step has its own time limit and writes JSON and a log to $OUT as it goes, so a step
 # that fails or runs out of time leaves the others' results. A table of the headline numbers
 # is printed last. The limits add up to 560 s, inside the device tool's 600 s per command.
-set -uo pipefail
-commit=${1:?usage: bench/h200_plan.sh COMMIT}
-out=${OUT:?set OUT to the results folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-small=${SMALL:+--small}
-big() { [ -z "$small" ] && echo "$1" || echo "$2"; }
-
-decode() {  # name, time limit (s), extra environment, then bench_decode arguments
-    local name=$1 limit=$2 env=$3
-    shift 3
-    echo "== $name"
-    env $env timeout "$limit" python3 bench/bench_decode.py $small --commit "$commit" --out "$out/$name.json" \
-        --attention-impl pallas "$@" > "$out/$name.log" 2>&1
-    echo "   rc=$? $(grep -c '^\[' "$out/$name.log") timeline lines"
-}
+source "$(dirname "$0")/device_plan.sh"
 
 # 1. The compiled kernels against their references (150 s ran 25 of the ~29 in session 8;
 #    the other steps took 92, 80 and 83 s then).

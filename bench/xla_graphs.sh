@@ -6,31 +6,18 @@
 #
 #   bash bench/xla_graphs.sh COMMIT
 #   SMALL=1 OUT=/tmp/graphs bash bench/xla_graphs.sh test   # CPU smoke test
-set -uo pipefail
-commit=${1:?usage: bench/xla_graphs.sh COMMIT}
-out=${OUT:?set OUT to the results folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-small=${SMALL:+--small}
-big() { [ -z "$small" ] && echo "$1" || echo "$2"; }
+source "$(dirname "$0")/device_plan.sh"
 graphs="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 graphs="$graphs --xla_enable_command_buffers_during_profiling=true"
 [ -n "$small" ] && graphs=""
+graphs="XLA_FLAGS=$graphs"
+profiled="--sections generate --profile"
 
-decode() {  # name, time limit (s), XLA_FLAGS, then bench_decode arguments
-    local name=$1 limit=$2 flags=$3
-    shift 3
-    echo "== $name"
-    XLA_FLAGS="$flags" timeout "$limit" python3 bench/bench_decode.py $small --commit "$commit" \
-        --out "$out/$name.json" --attention-impl pallas --sections generate --profile "$@" > "$out/$name.log" 2>&1
-    echo "   rc=$? $(grep -c '^\[' "$out/$name.log") timeline lines"
-}
-
-decode smollm2-base 75 "" --model smollm2-135m --points "$(big 1x256 1x128)" --block-sizes 16,8
-decode smollm2-graphs 75 "$graphs" --model smollm2-135m --points "$(big 1x256 1x128)" --block-sizes 16,8
-decode qwen3-base 110 "" --points "$(big 1x1k 1x128)"
-decode qwen3-graphs 110 "$graphs" --points "$(big 1x1k 1x128)"
-decode qwen3-b32 120 "" --points "$(big 32x1k 2x128)" --block-sizes 4
+decode smollm2-base 75 "" $profiled --model smollm2-135m --points "$(big 1x256 1x128)" --block-sizes 16,8
+decode smollm2-graphs 75 "$graphs" $profiled --model smollm2-135m --points "$(big 1x256 1x128)" --block-sizes 16,8
+decode qwen3-base 110 "" $profiled --points "$(big 1x1k 1x128)"
+decode qwen3-graphs 110 "$graphs" $profiled --points "$(big 1x1k 1x128)"
+decode qwen3-b32 120 "" $profiled --points "$(big 32x1k 2x128)" --block-sizes 4
 
 python3 - "$out" <<'PY'
 import json, pathlib, sys
