@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--self-instruct", type=int, default=0,
                         help="add N everyday requests written by the target (train.self_instruct)")
     parser.add_argument("--self-instruct-temperatures", default="0", help="comma-separated, for --self-instruct")
+    parser.add_argument("--self-instruct-seed", type=int, default=0, help="another seed writes other requests")
+    parser.add_argument("--target-dtype", choices=("float32", "bfloat16"),
+                        help="the target's dtype for the responses and the evaluation (default: as stored); "
+                             "training computes in bfloat16 either way")
     parser.add_argument("--soft-labels", type=float, default=0.0, help="weight of the target's distribution as labels")
     parser.add_argument("--num-eval", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -115,7 +119,7 @@ def main() -> None:
             from convert.hf_to_nnx import convert_checkpoint
 
             convert_checkpoint(args.gguf, target_dir)
-        target = dflash_jax.load_target(target_dir)
+        target = dflash_jax.load_target(target_dir, dtype=args.target_dtype)
     record("load_s", round(time.perf_counter() - start, 1))
 
     tokenizer = ChatTokenizer(target_dir)
@@ -225,11 +229,12 @@ def prompt_split(shakespeare: Path, num_train: int, num_eval: int):
 def _self_instruct(target, tokenizer, eval_messages, args, data_dir):
     """The target's own requests, none equal to a held-out or demo prompt; written once to
     data_dir, so every shard process and a rerun read the same list."""
-    path = data_dir / f"self-instruct-{args.self_instruct}.json"
+    path = data_dir / f"self-instruct-{args.self_instruct}-seed{args.self_instruct_seed}.json"
     if path.exists():
         return json.loads(path.read_text())
     held_out = [m[0]["content"] for m in eval_messages]
-    messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct, seed=0,
+    messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct,
+                                     seed=args.self_instruct_seed,
                                      exclude=held_out + list(QUESTIONS), batch_size=512,
                                      max_rounds=max(20, 4 * args.self_instruct // 512))
     data_dir.mkdir(parents=True, exist_ok=True)
