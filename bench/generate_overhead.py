@@ -6,8 +6,8 @@
 Times `elapsed_s` (the call's dispatch to its result on the host) at several max_new_tokens
 n and fits elapsed = fixed + n * per-token (random drafts accept nothing, so a DFlash call
 runs n cycles); then host work per call: flattening both models into jit's arguments, and,
-for comparison, what `generate` did per call before (`nnx.split` of both models, and a hash
-of their graph definitions for jit's cache). Medians of --reps calls.
+for comparison, what `generate` did per call before (flattening them as pytrees; before
+that `nnx.split` of both models and a hash of their graph definitions for jit's cache). Medians of --reps calls.
 """
 
 import argparse
@@ -41,6 +41,7 @@ def main():
     from flax import nnx
 
     from bench_decode import build_pair
+    from dflash_jax.flat_models import flatten_models
     from dflash_jax.generate import generate, generate_autoregressive
 
     pair = build_pair(args.model, args.dtype)
@@ -65,10 +66,12 @@ def main():
         print(f"  {name:<15} fit: elapsed = {fixed:.2f} + steps x {slope:.3f}; call wall = {wall_fixed:.2f} + steps x "
               f"{wall_slope:.3f}")
     models = (pair.target, pair.drafter)
-    print(f"  jax.tree.flatten of both models (what jit does per call): "
+    print(f"  flatten_models of both models (what generate does per call): "
+          f"{median_ms(lambda: flatten_models(models), args.reps):.2f}")
+    print(f"  jax.tree.flatten of both models (what jit did per call before): "
           f"{median_ms(lambda: jax.tree.flatten(models), args.reps):.2f}")
     split = median_ms(lambda: [nnx.split(m) for m in models], args.reps)
-    print(f"  nnx.split of both models (what generate did per call before): {split:.2f}")
+    print(f"  nnx.split of both models (what generate did per call before that): {split:.2f}")
     print(f"  hash of fresh graph definitions (jit's cache lookup then): "
           f"{median_ms(lambda: hash(tuple(nnx.split(m)[0] for m in models)), args.reps) - split:.2f}")
 

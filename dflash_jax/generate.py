@@ -21,6 +21,7 @@ import numpy as np
 from dflash_jax import sampling
 from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.config import check_drafter_fits_target
+from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
@@ -152,9 +153,10 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
         jnp.full((num_reqs,), top_p, jnp.float32),
         jnp.asarray(seeds),
     )
-    models = (target,) if drafter is None else (target, drafter)
     start = time.perf_counter()
-    out = _program(models, prefill, jnp.int32(max_new_tokens), sampling_R, jnp.asarray(stops), static=static)
+    treedefs, leaves = flatten_models((target,) if drafter is None else (target, drafter))
+    out = _program(leaves, prefill, jnp.int32(max_new_tokens), sampling_R, jnp.asarray(stops), static=static,
+                   treedefs=treedefs)
     tokens, num_generated, accepted, num_cycles = jax.device_get(out)
     elapsed = time.perf_counter() - start
     return GenerateResult(
@@ -189,14 +191,13 @@ def _prefill_batch(prompts, block_table, page_size) -> TargetBatch:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("static",))
-def _program(models, prefill: TargetBatch, max_new_tokens, sampling_R, stops_S, *, static: _Static):
-    """The whole run as one program. The models travel as pytrees (NNX modules are), so a
-    call reads their current parameters without `nnx.split`: on the H200's host that took
-    10.5 ms per call for SmolLM2 and its drafter, plus 1.7 ms hashing their graph
-    definitions for jit's cache; flattening the pytrees costs ~2.5 ms. A call's fixed cost
-    fell from 7.8 to 5.4-5.7 ms within `elapsed_s` and from 24-26 to 8-10 ms of wall time
-    (bench/generate_overhead.py)."""
+@functools.partial(jax.jit, static_argnames=("static", "treedefs"))
+def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_R, stops_S, *, static: _Static, treedefs):
+    """The whole run as one program. The models arrive as flat lists of their arrays
+    (`flat_models`): a call reads their current parameters without walking their graphs. On
+    the H200's host `nnx.split` of SmolLM2 and its drafter took 10.5 ms per call and
+    flattening them as pytrees 2.5 ms (bench/generate_overhead.py)."""
+    models = unflatten_models(treedefs, leaves)
     target = models[0]
     drafter = models[1] if static.num_drafts else None
     temperature_R, top_k_R, top_p_R, seeds_R = sampling_R
