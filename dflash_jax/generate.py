@@ -34,7 +34,8 @@ from pallas_kernels.common import next_pow2
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
     """token_ids[r]: generated tokens (a hit stop token included); accepted_lengths[r][i]:
-    tokens committed by cycle i (accepted drafts + 1; the prefill token is not a cycle)."""
+    tokens committed by cycle i (accepted drafts + 1; the prefill token is not a cycle);
+    elapsed_s: the call's wall time, from its input checks to the tokens on the host."""
 
     token_ids: list[list[int]]
     accepted_lengths: list[list[int]]
@@ -118,6 +119,7 @@ def generate_autoregressive(
 
 def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_k, top_p, seed,
          stop_token_ids, page_size, layout_impl, attention_impl, draft_block_size) -> GenerateResult:
+    start = time.perf_counter()  # elapsed_s: the whole call, as its caller waits for it
     resolve_attention_impl(attention_impl)  # refuse a bad name before anything compiles
     if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token id lists.")
@@ -148,15 +150,15 @@ def _run(target, drafter, prompts, num_drafts, max_new_tokens, temperature, top_
     )
     prefill = _prefill_batch(prompts, block_table, page_size)
     sampling_R = (
-        jnp.full((num_reqs,), temperature, jnp.float32),
-        jnp.full((num_reqs,), top_k, jnp.int32),
-        jnp.full((num_reqs,), top_p, jnp.float32),
-        jnp.asarray(seeds),
+        np.full((num_reqs,), temperature, np.float32),
+        np.full((num_reqs,), top_k, np.int32),
+        np.full((num_reqs,), top_p, np.float32),
+        seeds,
     )
-    start = time.perf_counter()
     treedefs, leaves = flatten_models((target,) if drafter is None else (target, drafter))
-    out = _program(leaves, prefill, jnp.int32(max_new_tokens), sampling_R, jnp.asarray(stops), static=static,
-                   treedefs=treedefs)
+    # Host arrays go to the program as numpy: jit transfers them with its arguments, no
+    # eager op per array.
+    out = _program(leaves, prefill, np.int32(max_new_tokens), sampling_R, stops, static=static, treedefs=treedefs)
     tokens, num_generated, accepted, num_cycles = jax.device_get(out)
     elapsed = time.perf_counter() - start
     return GenerateResult(
@@ -181,13 +183,13 @@ def _prefill_batch(prompts, block_table, page_size) -> TargetBatch:
         token_ids[span], positions[span], rows[span] = prompt, pos, r
         slots[span] = slots_of(block_table[r], pos, page_size)
     return TargetBatch(
-        token_ids=jnp.asarray(token_ids),
-        positions=jnp.asarray(positions),
-        rows=jnp.asarray(rows),
-        slots=jnp.asarray(slots),
-        query_start_loc=jnp.asarray(start_loc),
-        block_table=jnp.asarray(block_table),
-        logits_rows=jnp.asarray(start_loc[1:] - 1),
+        token_ids=token_ids,
+        positions=positions,
+        rows=rows,
+        slots=slots,
+        query_start_loc=start_loc,
+        block_table=block_table,
+        logits_rows=start_loc[1:] - 1,
     )
 
 
