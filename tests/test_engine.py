@@ -49,6 +49,21 @@ def run(engine, prompts, params, arrive_late=(), abort=None):
     return [ids[i] for i in range(len(prompts))]
 
 
+def test_parameters_changed_after_construction_are_used(tmp_path):
+    """An engine reads its models' current parameters at every step: after two tokens'
+    LM-head columns are swapped, it decodes what `generate` does with the swap."""
+    target = dflash_jax.load_target(save_hf(biased_target(seed=3), tmp_path / "target"))
+    engine = Engine(target, None, max_num_reqs=2, max_num_tokens=32)
+    before = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12).token_ids
+    columns = np.arange(target.cfg.vocab_size)
+    columns[[10, 20]] = [20, 10]
+    target.lm_head.kernel.value = target.lm_head.kernel.value[:, columns]
+    after = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12).token_ids
+    assert after != before
+    ids = run(engine, PROMPTS[:2], SamplingParams(max_new_tokens=12))
+    assert [engine.output(i) for i in ids] == after
+
+
 @pytest.mark.parametrize("drafter_name, block_size, async_scheduling", [
     ("full", 4, True), ("full", 4, False), ("full", 2, True), ("sliding", 4, True), (None, None, True),
     (None, None, False),
