@@ -42,6 +42,7 @@ def _plan(model):
         if len(variables) != len(leaves) or any(
             not isinstance(v, nnx.Variable) or v.get_raw_value() is not leaf for v, leaf in zip(variables, leaves)
         ):
-            raise TypeError(f"{type(model).__name__} holds parameters that are not one array per Variable.")
+            raise TypeError(f"{type(model).__name__} holds Variables that are not one array each; pass models "
+                            "whose Variables each hold one array (dflash_jax's Target and Drafter do).")
         plan = _PLANS[model] = (treedef, variables)
     return plan

@@ -6,6 +6,7 @@ import gc
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dflash_jax import flat_models
@@ -52,3 +53,12 @@ def test_structure_is_read_once_per_model_object():
     del model
     gc.collect()
     assert other in flat_models._PLANS and len(flat_models._PLANS) == 1  # no model kept alive by the cache
+
+
+def test_a_variable_holding_several_arrays_is_refused():
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.both = nnx.Variable((jnp.zeros(2), jnp.ones(2)))
+
+    with pytest.raises(TypeError, match="not one array each"):
+        flatten_models((Pair(),))
