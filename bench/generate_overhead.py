@@ -1,7 +1,7 @@
 """Where a batch-1 `generate` call's time goes besides its decode steps: SmolLM2-135M shape
 (random weights), one 64-token prompt, autoregressive and DFlash (block 16).
 
-    python bench/generate_overhead.py [--dtype bfloat16] [--model smollm2-135m]
+    python bench/generate_overhead.py [--dtype bfloat16] [--model smollm2-135m] [--profile DIR]
 
 Times `elapsed_s` (the whole call, input checks to the tokens on the host) at several max_new_tokens
 n and fits elapsed = fixed + n * per-token (random drafts accept nothing, so a DFlash call
@@ -36,11 +36,15 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--lengths", default="2,17,65,129")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also trace one call of the shortest length per decoder (jax.profiler, under DIR): "
+                             "device busy time and events against the call's elapsed_s, i.e. how much of the "
+                             "fixed cost is device work")
     args = parser.parse_args()
     import jax
     from flax import nnx
 
-    from bench_decode import build_pair
+    from bench_decode import build_pair, count_trace_events
     from dflash_jax.flat_models import flatten_models
     from dflash_jax.generate import generate, generate_autoregressive
 
@@ -65,6 +69,13 @@ def main():
         wall_slope, wall_fixed = np.polyfit([p[0] for p in points], [p[2] for p in points], 1)
         print(f"  {name:<15} fit: elapsed = {fixed:.2f} + steps x {slope:.3f}; call wall = {wall_fixed:.2f} + steps x "
               f"{wall_slope:.3f}")
+        if args.profile:
+            folder = os.path.join(args.profile, name.replace(" ", "-"))
+            with jax.profiler.trace(folder, create_perfetto_trace=True):
+                elapsed = run(lengths[0]).elapsed_s * 1e3
+            events = count_trace_events(folder)
+            print(f"  {name:<15} traced n={lengths[0]}: elapsed {elapsed:.2f}, device busy {events['busy_us'] / 1e3:.2f} "
+                  f"in {events['device_events']} events, {events['memcpy']} memcpys ({events['memcpy_dtoh']} to host)")
     models = (pair.target, pair.drafter)
     print(f"  flatten_models of both models (what generate does per call): "
           f"{median_ms(lambda: flatten_models(models), args.reps):.2f}")
