@@ -3,11 +3,12 @@
 
     python bench/generate_overhead.py [--dtype bfloat16] [--model smollm2-135m] [--profile DIR]
 
-Times `elapsed_s` (the whole call, input checks to the tokens on the host) at several max_new_tokens
-n and fits elapsed = fixed + n * per-token (random drafts accept nothing, so a DFlash call
-runs n cycles); then host work per call: flattening both models into jit's arguments, and,
-for comparison, what `generate` did per call before (flattening them as pytrees; before
-that `nnx.split` of both models and a hash of their graph definitions for jit's cache). Medians of --reps calls.
+Times `elapsed_s` (the whole call, input checks to the tokens on the host) at several
+max_new_tokens n and fits elapsed = fixed + n * per-token (random drafts accept nothing, so a
+DFlash call runs n cycles); then host work per call: flattening both models into jit's
+arguments, and, for comparison, what `generate` did per call before (flattening them as
+pytrees; before that `nnx.split` of both models and a hash of their graph definitions for
+jit's cache). Medians of --reps calls.
 """
 
 import argparse

@@ -354,11 +354,11 @@ class Engine:
             for num_rows in range(1, self.max_num_reqs + 1)
             for num_tokens in range(num_rows, self.max_num_tokens + 1)
         })
+        leaves = self._param_leaves()
         for num_rows, num_tokens in buckets:
             inert = self._host_batch(num_rows, num_tokens)
             for greedy in (True, False):
-                self._state, *_ = self._step_program(self._param_leaves(), self._state, *inert.to_device(), inert.layout,
-                                                     greedy)
+                self._state, *_ = self._step_program(leaves, self._state, *inert.to_device(), inert.layout, greedy)
         return 2 * len(buckets)
 
     @staticmethod
