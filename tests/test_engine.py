@@ -57,7 +57,7 @@ def test_parameters_changed_after_construction_are_used(tmp_path):
     before = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12).token_ids
     columns = np.arange(target.cfg.vocab_size)
     columns[[10, 20]] = [20, 10]
-    target.lm_head.kernel.value = target.lm_head.kernel.value[:, columns]
+    target.lm_head.kernel[...] = target.lm_head.kernel[...][:, columns]
     after = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12).token_ids
     assert after != before
     ids = run(engine, PROMPTS[:2], SamplingParams(max_new_tokens=12))

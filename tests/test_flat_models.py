@@ -35,7 +35,7 @@ def test_round_trip_reads_current_values_and_compiles_once():
     treedefs, leaves = flatten_models((model,))
     assert all(a is b for a, b in zip(leaves[0], jax.tree.leaves(model)))
     np.testing.assert_allclose(apply(leaves, x, treedefs=treedefs), model(x), rtol=1e-6)
-    model.scale.value = jnp.float32(-3.0)  # updates in place: the next call must see them
+    model.scale[...] = jnp.float32(-3.0)  # updates in place: the next call must see them
     nnx.update(model.first, jax.tree.map(lambda a: a + 1, nnx.state(model.first)))
     treedefs_again, leaves = flatten_models((model,))
     assert treedefs_again == treedefs

@@ -83,7 +83,7 @@ def test_parameters_changed_between_calls_are_used(tmp_path):
         hf.lm_head.weight[[10, 20]] = hf.lm_head.weight[[20, 10]].clone()
     columns = np.arange(target.cfg.vocab_size)
     columns[[10, 20]] = [20, 10]
-    target.lm_head.kernel.value = target.lm_head.kernel.value[:, columns]
+    target.lm_head.kernel[...] = target.lm_head.kernel[...][:, columns]
     after = generate_autoregressive(target, [prompt], max_new_tokens=16).token_ids[0]
     assert after != before and after == hf_greedy(hf, prompt, 16)
 
