@@ -94,7 +94,7 @@ def load_model(path: str | Path, dtype=None) -> Target | Drafter:
 
 
 def load_target(path: str | Path, dtype=None) -> Target:
-    """The target model at `path` (orbax or HF folder); `dtype` None keeps the stored dtype.
+    """The target model at `path` (orbax folder, HF folder or .gguf file); `dtype` None keeps the stored dtype.
     On a CPU backend a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
     model = load_model(path, dtype)
     if not isinstance(model, Target):
