@@ -49,16 +49,16 @@ def main():
         dflash_jax.load_target(args.target_dir, dtype="float32"))
     answers = dflash_jax.generate_autoregressive(models["float32"], prompts, max_new_tokens=args.max_new_tokens,
                                                  stop_token_ids=tokenizer.stop_token_ids).token_ids
-    agree = {dtype: [] for dtype in models}
+    agree = {name: [] for name in models}
     margins_where_bf16_differs, logit_gaps = [], []
     for prompt, answer in zip(prompts, answers):
         ids = prompt + answer
         padded = np.zeros(next_pow2(len(ids)), np.int32)
         padded[: len(ids)] = ids
         rows = slice(len(prompt) - 1, len(ids) - 1)  # the positions that chose each answer token
-        logits = {dtype: np.asarray(target_forward(model, padded)[0][rows]) for dtype, model in models.items()}
-        for dtype, values in logits.items():
-            agree[dtype].append(values.argmax(-1) == np.asarray(answer))
+        logits = {name: np.asarray(target_forward(model, padded)[0][rows]) for name, model in models.items()}
+        for name, values in logits.items():
+            agree[name].append(values.argmax(-1) == np.asarray(answer))
         top2 = np.sort(logits["float32"], axis=-1)[:, -2:]
         differs = logits["bfloat16"].argmax(-1) != np.asarray(answer)
         margins_where_bf16_differs += list(top2[differs, 1] - top2[differs, 0])
@@ -66,7 +66,7 @@ def main():
     result = dict(
         device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
         prompts=len(prompts), tokens=int(sum(len(a) for a in answers)),
-        agreement={dtype: float(np.mean(np.concatenate(v))) for dtype, v in agree.items()},
+        agreement={name: float(np.mean(np.concatenate(v))) for name, v in agree.items()},
         max_abs_logit_gap_median=float(np.median(np.concatenate(logit_gaps))),
         f32_top2_margin_where_bf16_differs_median=(float(np.median(margins_where_bf16_differs))
                                                    if margins_where_bf16_differs else None),
@@ -77,7 +77,7 @@ def main():
 
 
 def weights_rounded_to_bf16(model):
-    """`model` (float32) with every float32 parameter rounded to bfloat16 and back, in place."""
+    """A copy of `model` (float32) whose parameters are rounded to bfloat16 and back."""
     import jax.numpy as jnp
     from flax import nnx
 
