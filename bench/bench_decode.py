@@ -218,7 +218,7 @@ def random_model(raw, seed, dtype="bfloat16"):
     import jax.numpy as jnp
     from flax import nnx
 
-    from dflash_jax.checkpoint import abstract_model, model_from_params
+    from dflash_jax.models import abstract_model, model_from_params
     from dflash_jax.config import parse_config
 
     cfg = parse_config(raw)

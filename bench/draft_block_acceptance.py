@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import dflash_jax
-from dflash_jax.checkpoint import model_from_params
+from dflash_jax.models import model_from_params
 from dflash_jax.demo import DEFAULT_DRAFTER, QUESTIONS
 from dflash_jax.tokenizer import ChatTokenizer
 from dflash_jax.train.forward import block_logits, target_logits_and_features

@@ -23,7 +23,8 @@ from convert.checkpoint_reader import ConversionError, open_checkpoint
 from convert.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
 from convert.gguf_tokenizer import gguf_tokenizer_files
 from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
-from dflash_jax.checkpoint import abstract_model, model_from_params, save_checkpoint
+from dflash_jax.checkpoint import save_checkpoint
+from dflash_jax.models import abstract_model, model_from_params
 from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.

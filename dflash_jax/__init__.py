@@ -1,11 +1,13 @@
 """dflash-jax: DFlash block speculative decoding in JAX, Flax NNX and Pallas."""
 
-from dflash_jax.checkpoint import load_drafter, load_target
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.dense import draft_logits, target_forward
-from dflash_jax.engine import Engine, RequestOutput, SamplingParams
+from dflash_jax.engine import Engine
 from dflash_jax.generate import GenerateResult, generate, generate_autoregressive
+from dflash_jax.kernels import Kernels
+from dflash_jax.loading import load_drafter, load_target
 from dflash_jax.models import Drafter, Target
+from dflash_jax.requests import RequestOutput, RequestStats, SamplingParams
 
 __all__ = [
     "ConfigError",
@@ -13,7 +15,9 @@ __all__ = [
     "DrafterConfig",
     "Engine",
     "GenerateResult",
+    "Kernels",
     "RequestOutput",
+    "RequestStats",
     "SamplingParams",
     "Target",
     "TargetConfig",

@@ -1,4 +1,4 @@
-"""orbax checkpoints of the models, and `load_target` / `load_drafter`.
+"""orbax checkpoints of the models: `save_checkpoint` and `load_checkpoint`.
 
 A converted folder holds the HF `config.json` (verbatim, the source of truth for the
 architecture), `dflash_jax.json` (kind, dtype, format version) and `params/` (an orbax
@@ -17,24 +17,12 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_config, read_config_json
-from dflash_jax.models import Drafter, Target
+from dflash_jax.config import ConfigError, parse_config, read_config_json
+from dflash_jax.models import Drafter, Target, abstract_model, model_from_params
 
 FORMAT_FILE = "dflash_jax.json"
 FORMAT_VERSION = 2  # 2: fused qkv_proj and gate_up_proj (1 had q/k/v_proj and gate/up_proj)
 PARAMS_DIR = "params"
-
-
-def abstract_model(cfg: TargetConfig | DrafterConfig, dtype) -> Target | Drafter:
-    model_class = Target if isinstance(cfg, TargetConfig) else Drafter
-    return nnx.eval_shape(lambda: model_class(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-
-
-def model_from_params(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
-    """Merge a nested dict of arrays (the `nnx.to_pure_dict` layout) into a fresh model."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
 
 
 def save_checkpoint(model: Target | Drafter, raw_config: dict[str, Any], out_dir: str | Path) -> None:
@@ -78,35 +66,3 @@ def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
     params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
     params = jax.tree.map(lambda x: x.astype(target_dtype), params)
     return model_from_params(cfg, target_dtype, params)
-
-
-def load_model(path: str | Path, dtype=None) -> Target | Drafter:
-    """An orbax folder written by the converter, or a HF folder / .gguf file converted on the fly."""
-    path = Path(path)
-    is_gguf = path.suffix.lower() == ".gguf" and path.is_file()
-    if not (path.is_dir() or is_gguf):
-        raise FileNotFoundError(f"{path} is neither a folder nor a .gguf file; give a converted or a HF model folder.")
-    if is_orbax_checkpoint(path):
-        return load_checkpoint(path, dtype)
-    from convert.hf_to_nnx import model_from_hf
-
-    return model_from_hf(path, dtype)[1]
-
-
-def load_target(path: str | Path, dtype=None) -> Target:
-    """The target model at `path` (orbax folder, HF folder or .gguf file); `dtype` None keeps the stored dtype.
-    On a CPU backend a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
-    model = load_model(path, dtype)
-    if not isinstance(model, Target):
-        raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")
-    if jax.default_backend() == "cpu":
-        model.transpose_tied_head()
-    return model
-
-
-def load_drafter(path: str | Path, dtype=None) -> Drafter:
-    """The DFlash drafter at `path` (orbax or HF folder); `dtype` None keeps the stored dtype."""
-    model = load_model(path, dtype)
-    if not isinstance(model, Drafter):
-        raise ConfigError(f"{path} holds a target, not a drafter; use load_target for it.")
-    return model

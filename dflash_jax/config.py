@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pallas_kernels.attention_mask import LayerAttention
+
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -33,14 +35,6 @@ class RopeConfig:
 
     def get(self, name: str, default: Any = None) -> Any:
         return dict(self.scaling).get(name, default)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerAttention:
-    """How one layer attends: causal or not, and an optional window (keys within W)."""
-
-    causal: bool
-    window: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

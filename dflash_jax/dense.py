@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.attention import dense_attention, position_mask
+from dflash_jax.attention import dense_attention
+from pallas_kernels.attention_mask import position_mask
 from dflash_jax.config import LayerAttention, check_drafter_fits_target
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target

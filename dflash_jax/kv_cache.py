@@ -20,6 +20,7 @@ import numpy as np
 from pallas_kernels.finish_heads import write_slots
 
 if TYPE_CHECKING:
+    from dflash_jax.kernels import Kernels
     from dflash_jax.layers import ProjectedHeads
 
 NULL_PAGE = 0
@@ -61,10 +62,10 @@ class PagedKVCache:
         return self._with_layer(layer, write_slots(self.k[layer], slots_T, k_TKH),
                                 write_slots(self.v[layer], slots_T, v_TKH))
 
-    def write_heads(self, layer: int, slots_T, heads: ProjectedHeads) -> tuple[jax.Array, PagedKVCache]:
+    def write_heads(self, layer: int, slots_T, heads: ProjectedHeads, kernels: Kernels) -> tuple[jax.Array, PagedKVCache]:
         """(queries, cache): a layer's projected heads finished, keys and values written to
-        `slots_T` (one fused kernel on a GPU, `ProjectedHeads.finish_into`)."""
-        q_TNH, k, v = heads.finish_into(slots_T, self.k[layer], self.v[layer])
+        `slots_T` by `kernels.heads` (`ProjectedHeads.finish_into`)."""
+        q_TNH, k, v = heads.finish_into(slots_T, self.k[layer], self.v[layer], kernels)
         return q_TNH, self._with_layer(layer, k, v)
 
     def _with_layer(self, layer: int, k, v) -> PagedKVCache:

@@ -21,9 +21,9 @@ from flax import nnx
 from jax import lax
 
 from dflash_jax.config import RopeConfig
-from pallas_kernels.common import use_kernel
-from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference, finish_qkv_reference, rotate
-from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
+from dflash_jax.kernels import REFERENCE, Kernels
+from pallas_kernels.finish_heads import finish_qkv_reference, rotate
+from pallas_kernels.rms_norm import add_rms_norm_reference
 
 _default_kernel_init = nnx.initializers.normal(stddev=0.02)
 
@@ -91,12 +91,11 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         return add_rms_norm_reference(x, None, self.weight[...], self.eps)[1]
 
-    def add_norm(self, x_TD, delta_TD):
+    def add_norm(self, x_TD, delta_TD, kernels: Kernels = REFERENCE):
         """(x + delta, this norm of it): a residual-stream update fused with the pre-norm that
-        reads it (with `delta_TD` None, (x, norm(x))). On a GPU one Pallas kernel (XLA makes
-        three); `DFLASH_NORM_IMPL` switches it (`pallas_kernels.common.use_kernel`)."""
-        norm = add_rms_norm_pallas if use_kernel("DFLASH_NORM_IMPL") else add_rms_norm_reference
-        return norm(x_TD, delta_TD, self.weight[...], self.eps)
+        reads it (with `delta_TD` None, (x, norm(x))); `kernels.norm` makes it one Pallas
+        kernel (XLA makes three)."""
+        return kernels.add_rms_norm(x_TD, delta_TD, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
@@ -235,12 +234,10 @@ class ProjectedHeads:
         args = self.attention.finish_args(self.positions_T)
         return finish_qkv_reference(self.qkv_TXH, *args, num_heads=self.attention.cfg.num_heads)
 
-    def finish_into(self, slots_T, k_cache_SKH, v_cache_SKH):
+    def finish_into(self, slots_T, k_cache_SKH, v_cache_SKH, kernels: Kernels):
         """(queries, key cache, value cache) with this layer's keys and values written to
-        `slots_T` (< 0: padding, not written); `DFLASH_HEADS_IMPL` switches the kernel
-        (`pallas_kernels.common.use_kernel`)."""
-        finish = finish_heads_pallas if use_kernel("DFLASH_HEADS_IMPL") else finish_heads_reference
-        return finish(self.qkv_TXH, *self.attention.finish_args(self.positions_T), slots_T, k_cache_SKH, v_cache_SKH,
+        `slots_T` (< 0: padding, not written), by `kernels.heads`."""
+        return kernels.finish_heads(self.qkv_TXH, *self.attention.finish_args(self.positions_T), slots_T, k_cache_SKH, v_cache_SKH,
                       num_heads=self.attention.cfg.num_heads)
 
 
@@ -262,14 +259,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_TD, delta_TD, positions_T, attend):
+    def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
         """(x, delta) -> (x', delta'). The layer's input is x + delta (delta None: x), summed by
         its first norm; x' is the residual stream after attention and delta' the MLP's update.
         The layer's output x' + delta' is left for the norm that reads it next to sum (the
         next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
-        x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD)
+        x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
         a_TNH = attend(self.self_attn.project(h_TD, positions_T))
-        x_TD, h_TD = self.post_attention_layernorm.add_norm(x_TD, self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1)))
+        x_TD, h_TD = self.post_attention_layernorm.add_norm(
+            x_TD, self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1)), kernels)
         return x_TD, self.mlp(h_TD)
 
 

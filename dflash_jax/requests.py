@@ -1,4 +1,5 @@
-"""Checks shared by `generate` and the `Engine`: one wording for every refused request.
+"""What a request is (`SamplingParams`) and the checks `generate` and the `Engine` share: one
+wording for every refused request.
 
 Everything here runs on the host before a request reaches the device, so a bad request is
 refused with a sentence and never occupies a slot or a page.
@@ -6,12 +7,59 @@ refused with a sentence and never occupies a slot or a page.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 
 from dflash_jax import sampling
 from dflash_jax.config import DrafterConfig
 
 INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded: temperature 0 is greedy; top_k 0 and top_p 1.0 are off;
+    the seed keys every random draw (with the position), so tokens do not depend on the batch."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request statistics: tokens committed per verify cycle, and timing."""
+
+    accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    num_generated: int = 0
+    num_preemptions: int = 0
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        end = self.finish_s or time.perf_counter()
+        return self.num_generated / max(end - self.arrival_s, 1e-9)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0
 
 
 def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
@@ -62,3 +110,13 @@ def check_request(prompt_len: int, max_new_tokens: int, max_model_len: int, *, t
         raise ValueError(f"seed must be an integer in [-2**31 + 1, 2**31 - 1], got {seed}.")
     if np.any(np.asarray(top_k) > INT32_MAX):
         raise ValueError(f"top_k must be below 2**31 (0 turns it off), got {top_k}.")
+
+
+def stop_id_array(stop_token_ids, width: int | None = None) -> np.ndarray:
+    """int32 [width]: the distinct stop ids, padded with -1 (no token); width defaults to
+    their count (at least 1)."""
+    ids = sorted({int(t) for t in stop_token_ids})
+    width = max(1, len(ids)) if width is None else width
+    if len(ids) > width:
+        raise ValueError(f"a request may have at most {width} distinct stop token ids, got {len(ids)}.")
+    return np.asarray(ids + [-1] * (width - len(ids)), np.int32)

@@ -6,8 +6,7 @@ and returns logits at the rows that need sampling plus the drafter's features at
 context K/V of all draft layers (one fused projection), runs the block and returns the draft
 logits at the sample rows (its three parts, `draft_layouts`, `write_context_kv` and
 `draft_block`, are exposed for benchmarks). `block_batch` builds the batch of a decode or
-verify step. All are pure: callers `jax.jit` them (or trace them inside a `lax.while_loop`)
-with the caches donated.
+verify step. All are pure; `cycle.speculative_cycle` composes them into one cycle.
 """
 
 from __future__ import annotations
@@ -18,13 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import paged_attention_for_step
-from dflash_jax.config import LayerAttention
+from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.models import Drafter, Target
+from pallas_kernels.attention_mask import CAUSAL
 from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
-
-CAUSAL = LayerAttention(causal=True)
 
 
 @functools.partial(
@@ -50,25 +47,27 @@ class TargetBatch:
 
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
-                attention_impl: str = "auto"):
-    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch;
-    `attention_impl` ("auto", "reference", "pallas") picks the paged attention."""
+                kernels: Kernels):
+    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch, with
+    the (resolved) `kernels`."""
     seq_lens_R = _seq_lens(batch)
-    paged_attention = paged_attention_for_step(
-        attention_impl, batch.rows, num_rows=batch.block_table.shape[0],
+    paged_attention = kernels.paged_attention(
+        batch.rows, num_rows=batch.block_table.shape[0],
         group=target.cfg.num_heads // target.cfg.num_kv_heads, dtype=target.dtype,
     )
 
     def attend(layer, heads):
         nonlocal cache
-        q, cache = cache.write_heads(layer, batch.slots, heads)
+        q, cache = cache.write_heads(layer, batch.slots, heads, kernels)
         return paged_attention(
             q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.block_table, seq_lens_R,
             page_size=cache.page_size, rule=CAUSAL,
         )
 
-    hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids)
-    return cache, target.unembed(hidden_TD[batch.logits_rows]), features_TF
+    with jax.named_scope("target"):
+        hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids, kernels=kernels)
+        logits = target.unembed(hidden_TD[batch.logits_rows])
+    return cache, logits, features_TF
 
 
 def block_batch(tokens_RQ, start_R, block_table_RM, page_size: int) -> TargetBatch:
@@ -95,30 +94,11 @@ def _seq_lens(batch: TargetBatch):
     return jnp.where(has_tokens, batch.positions[last] + 1, 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class DraftShape:
-    """Static settings of a draft step (hashable: part of the jit cache key)."""
-
-    num_drafts: int  # N: drafts returned per request (the verify block is 1 + N)
-    max_model_len: int
-    layout_impl: str = "auto"
-    attention_impl: str = "auto"
-    # The drafter's own block, 1 + M query rows per request (M >= N mask tokens); its first N
-    # drafts are returned. None: 1 + N. A drafter trained with block B drafts best at B: its
-    # non-causal block then holds as many mask tokens as in training.
-    draft_block_size: int | None = None
-
-    @property
-    def num_query(self) -> int:
-        """Query rows per request in the drafter's forward."""
-        return self.draft_block_size or 1 + self.num_drafts
-
-
 def draft_step(
     target: Target,
     drafter: Drafter,
     caches: tuple[PagedKVCache, ...],
-    block_tables: tuple[jax.Array, ...],
+    page_tables: tuple[jax.Array, ...],
     batch: TargetBatch,
     features_TF,
     *,
@@ -126,29 +106,40 @@ def draft_step(
     num_sampled_R,
     last_sampled_R,
     next_prefill_tokens_R,
-    shape: DraftShape,
+    num_drafts: int,
+    draft_block_size: int,
+    max_model_len: int,
+    kernels: Kernels,
 ):
     """(caches, draft logits [R, N, V] float32) after the target ran `batch`.
 
-    `caches` and `block_tables` hold one entry per drafter KV-cache group
+    `caches` and `page_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
     Per-request inputs are in batch-row order (the layout's request states are the batch rows).
-    Three parts, in order: `draft_layouts`, `write_context_kv`, `draft_block`.
+    The drafter fills `draft_block_size` rows per request (its anchor + mask tokens), of
+    which the first `num_drafts` drafts are returned. Three parts, in order: `draft_layouts`,
+    `write_context_kv`, `draft_block`.
     """
-    layouts = draft_layouts(
-        drafter, caches, block_tables, batch, num_rejected_R=num_rejected_R, num_sampled_R=num_sampled_R,
-        last_sampled_R=last_sampled_R, next_prefill_tokens_R=next_prefill_tokens_R, shape=shape,
-    )
-    caches = write_context_kv(drafter, caches, layouts, features_TF)
-    return draft_block(target, drafter, caches, block_tables, layouts, shape)
+    with jax.named_scope("draft_layout"):
+        layouts = draft_layouts(
+            drafter, caches, page_tables, batch, num_rejected_R=num_rejected_R, num_sampled_R=num_sampled_R,
+            last_sampled_R=last_sampled_R, next_prefill_tokens_R=next_prefill_tokens_R,
+            draft_block_size=draft_block_size, max_model_len=max_model_len, layout_impl=kernels.layout,
+        )
+    with jax.named_scope("draft_context_kv"):
+        caches = write_context_kv(drafter, caches, layouts, features_TF)
+    with jax.named_scope("draft_block"):
+        return draft_block(target, drafter, caches, page_tables, layouts, num_drafts=num_drafts,
+                           draft_block_size=draft_block_size, kernels=kernels)
 
 
-def draft_layouts(drafter: Drafter, caches, block_tables, batch: TargetBatch, *, num_rejected_R, num_sampled_R,
-                  last_sampled_R, next_prefill_tokens_R, shape: DraftShape) -> list[DFlashLayout]:
+def draft_layouts(drafter: Drafter, caches, page_tables, batch: TargetBatch, *, num_rejected_R, num_sampled_R,
+                  last_sampled_R, next_prefill_tokens_R, draft_block_size: int, max_model_len: int,
+                  layout_impl: str) -> list[DFlashLayout]:
     """The layout kernel's query, context and sample rows for `batch`, once per cache group
-    (with that group's block table; of `caches` only the page sizes are read)."""
+    (with that group's page table; of `caches` only the page sizes are read). The kernel
+    keeps vLLM's names: its `block_table` is a page table, its `block_size` a page size."""
     num_rows = batch.block_table.shape[0]
-    num_query = shape.num_query
     unused_R = jnp.zeros(num_rows, jnp.int32)  # the layout's sampling copies are not read here
     return [
         prepare_dflash_inputs(
@@ -164,14 +155,14 @@ def draft_layouts(drafter: Drafter, caches, block_tables, batch: TargetBatch, *,
             table,
             block_size=cache.page_size,
             parallel_drafting_token_id=drafter.cfg.mask_token_id,
-            num_speculative_steps=num_query - 1,
+            num_speculative_steps=draft_block_size - 1,
             max_num_reqs=num_rows,
-            max_num_tokens=num_rows * num_query,
+            max_num_tokens=num_rows * draft_block_size,
             # Pages cover a draft block past the last position: no query row needs clamping.
-            max_model_len=shape.max_model_len + num_query,
-            impl=shape.layout_impl,
+            max_model_len=max_model_len + draft_block_size,
+            impl=layout_impl,
         )
-        for cache, table in zip(caches, block_tables)
+        for cache, table in zip(caches, page_tables)
     ]
 
 
@@ -186,33 +177,31 @@ def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], feat
     return tuple(caches)
 
 
-def draft_block(target: Target, drafter: Drafter, caches, block_tables, layouts: list[DFlashLayout],
-                shape: DraftShape):
+def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: list[DFlashLayout], *,
+                num_drafts: int, draft_block_size: int, kernels: Kernels):
     """(caches, draft logits [R, N, V] float32): the block's query rows through the drafter,
     their K/V written to the caches, logits at the sample rows through the target's head."""
-    num_rows = block_tables[0].shape[0]
-    num_query = shape.num_query
+    num_rows = page_tables[0].shape[0]
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
-    query_rows = jnp.arange(num_rows * num_query, dtype=jnp.int32) // num_query
-    paged_attention = paged_attention_for_step(
-        shape.attention_impl, query_rows, num_rows=num_rows, group=drafter.cfg.num_heads // drafter.cfg.num_kv_heads,
-        dtype=drafter.dtype,
+    query_rows = jnp.arange(num_rows * draft_block_size, dtype=jnp.int32) // draft_block_size
+    paged_attention = kernels.paged_attention(
+        query_rows, num_rows=num_rows, group=drafter.cfg.num_heads // drafter.cfg.num_kv_heads, dtype=drafter.dtype,
     )
 
     def attend(layer, heads):
         group, index = groups.group_of(layer)
-        q, cache = caches[group].write_heads(index, layouts[group].query_slot_mapping, heads)
+        q, cache = caches[group].write_heads(index, layouts[group].query_slot_mapping, heads, kernels)
         caches[group] = cache
         return paged_attention(
-            q, layout.query_positions, query_rows, cache.k[index], cache.v[index], block_tables[group],
+            q, layout.query_positions, query_rows, cache.k[index], cache.v[index], page_tables[group],
             layout.seq_lens, page_size=cache.page_size, rule=drafter.cfg.layers[layer],
         )
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
-    hidden_QD = drafter(block_embeds, layout.query_positions, attend)
-    hidden_RMD = hidden_QD[layout.sample_indices].reshape(num_rows, num_query - 1, -1)
-    hidden_ND = hidden_RMD[:, : shape.num_drafts].reshape(num_rows * shape.num_drafts, -1)  # unverified: no head
+    hidden_QD = drafter(block_embeds, layout.query_positions, attend, kernels)
+    hidden_RMD = hidden_QD[layout.sample_indices].reshape(num_rows, draft_block_size - 1, -1)
+    hidden_ND = hidden_RMD[:, :num_drafts].reshape(num_rows * num_drafts, -1)  # unverified: no head
     logits = drafter.logits(target.unembed, hidden_ND.astype(target.dtype))
-    return tuple(caches), logits.reshape(num_rows, shape.num_drafts, -1)
+    return tuple(caches), logits.reshape(num_rows, num_drafts, -1)

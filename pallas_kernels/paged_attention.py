@@ -1,6 +1,6 @@
 """Paged attention for ragged multi-token queries: a Pallas kernel (Triton on the GPU,
-interpret mode on CPU) for `dflash_jax.attention.paged_attention`, same arguments, same
-result.
+interpret mode on CPU) for `paged_attention_reference.paged_attention_reference`, same
+arguments, same result.
 
 Query token t belongs to batch row ``q_req_T[t]`` at absolute position ``q_positions_T[t]``;
 its keys are that row's positions ``0 .. seq_lens_R[row] - 1``, read through the row's block
@@ -67,8 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.attention import position_mask
-from dflash_jax.config import LayerAttention
+from pallas_kernels.attention_mask import LayerAttention, position_mask
 from pallas_kernels.common import is_pow2, next_pow2, quiet_triton_deprecation
 
 _NEG_INIT = -1e30  # running max before any key (as the jnp reference)
@@ -325,7 +324,7 @@ def paged_attention_pallas(
     num_stages: int = 2,
     blocks=None,
 ):
-    """`dflash_jax.attention.paged_attention` as a Pallas kernel; output [T, N, H] in q's dtype.
+    """`paged_attention_reference` as a Pallas kernel; output [T, N, H] in q's dtype.
 
     token_tile, key_chunk: the jnp reference's knobs, accepted so a call site can switch
         functions unchanged; unused here.

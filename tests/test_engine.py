@@ -71,7 +71,7 @@ def test_parameters_changed_after_construction_are_used(tmp_path):
 def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling):
     target, drafters, reference = models
     drafter = drafters.get(drafter_name)
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size, layout_impl="reference",
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size,
                     async_scheduling=async_scheduling)
     ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20), arrive_late=(3, 4))
     assert [engine.output(i) for i in ids] == reference
@@ -84,7 +84,7 @@ def test_stop_tokens_and_abort(models):
     stop = reference[1][5]
     params = SamplingParams(max_new_tokens=20, stop_token_ids=(stop,))
     expected = generate_autoregressive(target, PROMPTS, max_new_tokens=20, stop_token_ids=[stop]).token_ids
-    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
     ids = run(engine, PROMPTS, params, abort=0)
     outputs = [engine.output(i) for i in ids]
     assert outputs[1:] == expected[1:]
@@ -101,7 +101,7 @@ def test_async_scheduling_returns_each_step_one_call_later(models, drafter_name)
     returned = {}
     for async_scheduling in (False, True):
         engine = Engine(target, drafters.get(drafter_name), max_num_reqs=4, max_num_tokens=32,
-                        layout_impl="reference", async_scheduling=async_scheduling)
+                        async_scheduling=async_scheduling)
         engine.add_request(PROMPTS[2], params)
         returned[async_scheduling] = []
         while engine.has_unfinished():
@@ -113,8 +113,7 @@ def test_async_scheduling_returns_each_step_one_call_later(models, drafter_name)
 def test_preemption_recomputes_and_stays_exact(models):
     target, drafters, reference = models
     # 16 usable pages of 8 tokens: not enough for all five requests at once.
-    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=17, page_size=8,
-                    layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=17, page_size=8)
     ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20))
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
@@ -124,16 +123,16 @@ def test_preemption_recomputes_and_stays_exact(models):
 def test_sampled_request_is_the_same_alone_or_in_a_batch(models):
     target, drafters, _ = models
     params = SamplingParams(max_new_tokens=16, temperature=1.3, top_k=30, top_p=0.95, seed=11)
-    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
     (only,) = run(alone, [PROMPTS[1]], params)
-    crowd = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    crowd = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
     ids = run(crowd, PROMPTS, params)
     assert crowd.output(ids[1]) == alone.output(only)
 
 
 def test_no_compilation_after_precompile(models):
     target, drafters, _ = models
-    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
     assert engine.precompile() > 0
     traces = Engine.num_traces()
     rng = np.random.default_rng(0)
@@ -153,7 +152,7 @@ def test_no_compilation_after_precompile(models):
     assert generated > 100  # the engine did serve requests meanwhile
 
     # Another engine of the same models and shape runs the programs already compiled.
-    again = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, layout_impl="reference")
+    again = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
     run(again, PROMPTS, SamplingParams(max_new_tokens=8))
     assert Engine.num_traces() == traces
 
@@ -173,7 +172,7 @@ def test_no_compilation_after_precompile(models):
 )
 def test_bad_requests_are_refused_and_harm_nobody(models, prompt, params, message):
     target, drafters, reference = models
-    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=9, layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, num_pages=9)
     good = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=20))
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
@@ -197,14 +196,14 @@ def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     the accepted lengths) stay those of generate(), which keeps every page."""
     target, drafters, reference = models
     drafter = drafters["sliding"]
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference")
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4)
     (window_pool,) = engine._window_allocators
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:4]]
     most_in_use = 0
     while engine.has_unfinished():
         engine.step()
         most_in_use = max(most_in_use, window_pool.num_pages - 1 - window_pool.num_free)
-    expected = dflash_jax.generate(target, drafter, PROMPTS[:4], max_new_tokens=20, layout_impl="reference")
+    expected = dflash_jax.generate(target, drafter, PROMPTS[:4], max_new_tokens=20)
     assert [engine.output(i) for i in ids] == reference[:4]
     assert [engine.stats(i).accepted_lengths for i in ids] == expected.accepted_lengths
     all_positions = sum(len(p) + 20 for p in PROMPTS[:4])
@@ -226,7 +225,7 @@ def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_
 
     target, drafters, _ = models
     drafter = drafters[drafter_name]
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, layout_impl="reference",
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4,
                     block_size=block_size, draft_block_size=draft_block_size, async_scheduling=False)
     request_id = engine.add_request(PROMPTS[2][:30], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5))
     checked, other_block_differs = 0, False
@@ -256,8 +255,7 @@ def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_
 def test_tight_cache_serves_to_the_end(models):
     """A cache exactly as large as add_request demands still serves the request to its end."""
     target, drafters, reference = models
-    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4, page_size=4, num_pages=6,
-                    layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4, page_size=4, num_pages=6)
     request_id = engine.add_request(PROMPTS[0] + [8, 9], SamplingParams(max_new_tokens=11))
     for _ in range(40):
         if not engine.has_unfinished():
@@ -270,7 +268,7 @@ def test_tight_cache_serves_to_the_end(models):
 
 def test_precompile_covers_budgets_below_eight_tokens(models):
     target, drafters, _ = models
-    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4, layout_impl="reference")
+    engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4)
     assert engine.precompile() >= 1
     traces = Engine.num_traces()
     engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=6))

@@ -10,6 +10,7 @@ import torch
 import dflash_jax
 from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
 from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.kernels import Kernels
 
 PROMPTS = [[5, 6, 7], list(range(20, 37)), list(range(40, 80)) + [3, 4]]
 
@@ -118,14 +119,14 @@ def test_pallas_attention_equals_reference(pair):
     """The Pallas paged-attention kernel (interpret mode on CPU) in target and drafter steps."""
     _, _, target, drafter = pair
     kwargs = dict(max_new_tokens=6, block_size=4)
-    reference = generate(target, drafter, PROMPTS[:2], attention_impl="reference", **kwargs)
-    pallas = generate(target, drafter, PROMPTS[:2], attention_impl="pallas", **kwargs)
+    reference = generate(target, drafter, PROMPTS[:2], kernels=Kernels(attention="reference"), **kwargs)
+    pallas = generate(target, drafter, PROMPTS[:2], kernels=Kernels(attention="pallas"), **kwargs)
     assert pallas.token_ids == reference.token_ids
     assert pallas.accepted_lengths == reference.accepted_lengths
-    ar = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=4, attention_impl="pallas")
+    ar = generate_autoregressive(target, PROMPTS[:2], max_new_tokens=4, kernels=Kernels(attention="pallas"))
     assert ar.token_ids == [t[:4] for t in reference.token_ids]
-    with pytest.raises(ValueError, match="attention_impl must be one of"):
-        generate(target, drafter, PROMPTS[:1], attention_impl="triton", **kwargs)
+    with pytest.raises(ValueError, match="attention kernel must be one of"):
+        Kernels(attention="triton")
 
 
 def dense_replay_lengths(target, drafter, prompt, generated, block_size, draft_block_size):

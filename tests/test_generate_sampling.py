@@ -47,7 +47,7 @@ def test_generated_tokens_follow_the_target_distribution(params):
     drafter = scaled(Drafter(parse_config(DRAFTER), rngs=nnx.Rngs(5)), 3.0)
     result = generate(
         target, drafter, [PROMPT] * NUM_SAMPLES, max_new_tokens=3, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=list(range(NUM_SAMPLES)), layout_impl="reference",
+        top_k=top_k, top_p=top_p, seed=list(range(NUM_SAMPLES)),
     )
     lengths = [n for per_request in result.accepted_lengths for n in per_request]
     assert np.mean(lengths) > 1.2  # drafts do get accepted: the rejection sampler is exercised

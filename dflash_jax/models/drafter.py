@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
+from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
 
 
@@ -60,12 +61,13 @@ class Drafter(nnx.Module):
             for i, layer in enumerate(self.layers)
         ]
 
-    def __call__(self, block_embeds_BD, positions_B, attend: AttendFn):
-        """Block hidden states [B, D] after the final norm; `attend(i, heads)` per layer (`layers.AttendFn`)."""
+    def __call__(self, block_embeds_BD, positions_B, attend: AttendFn, kernels: Kernels = REFERENCE):
+        """Block hidden states [B, D] after the final norm; `attend(i, heads)` per layer
+        (`layers.AttendFn`); `kernels` (resolved) picks the norm's implementation."""
         x_BD, delta_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype), None
         for i, layer in enumerate(self.layers):
-            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i))
-        return self.norm.add_norm(x_BD, delta_BD)[1]
+            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i), kernels)
+        return self.norm.add_norm(x_BD, delta_BD, kernels)[1]
 
     def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):
         """float32 logits through the target's head, with the optional Gemma-style scalars."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear, logical
 
 
@@ -72,14 +73,16 @@ class Target(nnx.Module):
             w, contract = self.lm_head.kernel[...], 0
         return dot_general(h_TD, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
 
-    def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = ()):
-        """Returns (final-normed hidden [T, D], outputs of `layer_ids` concatenated [T, n*D])."""
+    def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = (),
+                 kernels: Kernels = REFERENCE):
+        """Returns (final-normed hidden [T, D], outputs of `layer_ids` concatenated [T, n*D]);
+        `kernels` (resolved) picks the norm's implementation."""
         x_TD, delta_TD = self.embed(token_ids_T), None
         wanted = {layer_id: None for layer_id in layer_ids}
         for i, layer in enumerate(self.layers):
-            x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, functools.partial(attend, i))
+            x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, functools.partial(attend, i), kernels)
             if i in wanted:  # the layer's output (this sum fuses into the concatenation below)
                 wanted[i] = x_TD + delta_TD
         features = [wanted[layer_id] for layer_id in layer_ids]
         features_TF = jnp.concatenate(features, axis=-1) if features else x_TD[:, :0]
-        return self.norm.add_norm(x_TD, delta_TD)[1], features_TF
+        return self.norm.add_norm(x_TD, delta_TD, kernels)[1], features_TF

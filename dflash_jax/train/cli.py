@@ -71,7 +71,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_build_data(args: argparse.Namespace) -> None:
-    from dflash_jax.checkpoint import load_target
+    from dflash_jax.loading import load_target
     from dflash_jax.train.build_data import build_drafter_data
     from dflash_jax.tokenizer import ChatTokenizer
     from dflash_jax.train.prompts import jsonl_prompts, shakespeare_prompts
@@ -108,7 +108,7 @@ def run_build_data(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     from convert.export_hf import export_hf
-    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.loading import load_drafter, load_target
     from dflash_jax.config import parse_drafter_config, to_hf_config
     from dflash_jax.models import Drafter
     from dflash_jax.train.data import DrafterDataset

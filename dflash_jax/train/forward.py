@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import dense_attention, position_mask
+from dflash_jax.attention import dense_attention
+from pallas_kernels.attention_mask import position_mask
 from dflash_jax.config import LayerAttention
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dflash_jax.attention import position_mask
+from pallas_kernels.attention_mask import position_mask
 from dflash_jax.config import LayerAttention
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dflash_jax.checkpoint import model_from_params
+from dflash_jax.models import model_from_params
 from dflash_jax.config import DrafterConfig
 from dflash_jax.train.anchors import sample_anchors
 from dflash_jax.train.forward import block_logits, target_logits_and_features

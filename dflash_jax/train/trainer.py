@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from dflash_jax.checkpoint import model_from_params
+from dflash_jax.models import model_from_params
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.data import DrafterDataset

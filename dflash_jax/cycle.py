@@ -1,0 +1,272 @@
+"""The speculative cycle on the device: verify, accept, commit, draft. One function for both
+drivers: `generate` runs it in a `lax.while_loop`, the `Engine` once per scheduled step.
+
+A cycle takes a ragged target batch whose rows are either verify rows (a request's anchor,
+the last committed token, followed by its N drafts) or a prefill chunk, and per-slot decode
+state (`DecodeState`) indexed by request slot. It runs the target over the batch, verifies
+each verifying row's drafts against the target's logits (greedy: the longest prefix equal to
+the target's argmaxes; sampled: rejection sampling, `sampling.rejection_sample`), commits the
+accepted drafts plus one token from the target, and proposes the next block with the
+drafter, conditioned on the features the target just computed. Without a drafter (N = 0) a
+cycle is one plain decode step.
+
+One rule decides what a row commits (`drafts_to_verify`, `commit_counts`): a request that may
+still generate `remaining` tokens verifies at most `remaining - 1` drafts, so that it never
+commits more than `remaining`; what it commits ends at its first stop token. Its drivers
+read the committed tokens and finish a request when `stopped` or when the tokens it
+committed reach `remaining`.
+
+Shape letters (the package's legend): R batch rows, S request slots, Q = 1 + N verify rows
+per request (1 for a batch without drafts), N drafts, V vocabulary, T target tokens, X stop
+ids per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import sampling
+from dflash_jax.kernels import Kernels
+from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
+from dflash_jax.steps import TargetBatch, draft_step, target_step
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleConfig:
+    """Everything static about a cycle (hashable: part of each program's jit key)."""
+
+    num_drafts: int  # N drafts verified per request and cycle (0: plain decoding)
+    draft_block_size: int  # rows the drafter fills per request (its anchor + mask tokens), >= 1 + N
+    max_model_len: int  # the longest sequence a request may reach
+    layer_ids: tuple[int, ...]  # target layers whose outputs are the drafter's features
+    kernels: Kernels  # resolved: no "auto"
+    greedy: bool  # every row at temperature 0: sampling compiles to argmaxes, draft_probs unused
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["target_cache", "draft_caches", "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What the device keeps per request slot between cycles."""
+
+    target_cache: PagedKVCache  # the target's K/V, every layer, all slots' pages
+    draft_caches: tuple[PagedKVCache, ...]  # the drafter's K/V, one cache per group (DraftCacheGroups)
+    drafts_SN: jax.Array  # int32 [S, N]: the drafts the slot's next verify checks
+    draft_probs_SNV: jax.Array  # float32 [S, N, V]: the drafter's q for them (sampled rows; V may be 0 if none)
+    anchor_S: jax.Array  # int32 [S]: the last committed token, not yet in the caches (verify row 0)
+    anchor_pos_S: jax.Array  # int32 [S]: its position
+
+    @classmethod
+    def zeros(cls, models, cfg: CycleConfig, *, num_slots: int, page_size: int, target_pages: int,
+              draft_pages: tuple[int, ...], with_draft_probs: bool) -> DecodeState:
+        """An empty state: caches of `target_pages` (and per drafter group `draft_pages`)
+        pages; draft probabilities only `with_draft_probs` (a program that samples)."""
+        target = models[0]
+        draft_caches = ()
+        if cfg.num_drafts:
+            groups = DraftCacheGroups.for_drafter(models[1].cfg)
+            draft_caches = tuple(PagedKVCache.for_model(models[1], len(layers), pages, page_size)
+                                 for layers, pages in zip(groups.layers, draft_pages))
+        vocab = target.cfg.vocab_size if with_draft_probs else 0
+        return cls(
+            target_cache=PagedKVCache.for_model(target, target.cfg.num_layers, target_pages, page_size),
+            draft_caches=draft_caches,
+            drafts_SN=jnp.zeros((num_slots, cfg.num_drafts), jnp.int32),
+            draft_probs_SNV=jnp.zeros((num_slots, cfg.num_drafts, vocab), jnp.float32),
+            anchor_S=jnp.zeros((num_slots,), jnp.int32),
+            anchor_pos_S=jnp.zeros((num_slots,), jnp.int32),
+        )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature_R", "top_k_R", "top_p_R", "seeds_R"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters (`sampling`'s conventions: temperature 0 is greedy)."""
+
+    temperature_R: jax.Array
+    top_k_R: jax.Array
+    top_p_R: jax.Array
+    seeds_R: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
+        "next_prefill_tokens_R", "stop_ids_RX", "sampling",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class CycleBatch:
+    """One cycle's rows, with every token (verify rows' anchors and drafts included) filled in."""
+
+    target: TargetBatch  # the target's ragged batch; logits are taken at verify_rows_RQ
+    draft_page_tables: tuple[jax.Array, ...]  # [R, pages] per drafter cache group
+    slots_R: jax.Array  # state slot of each row (S for a padding row: its writes are dropped)
+    verify_rows_RQ: jax.Array  # target token rows whose logits verify (a prefill row: its last row)
+    anchor_pos_R: jax.Array  # position of verify row 0 (a prefill row: its last position)
+    verifying_R: jax.Array  # bool: the row verifies drafts (else a prefill chunk)
+    remaining_R: jax.Array  # tokens the row may still commit; 0: it commits nothing (mid-prefill, done)
+    next_prefill_tokens_R: jax.Array  # the next prompt token of a row mid-prefill (the drafter's anchor)
+    stop_ids_RX: jax.Array  # the row's stop token ids, padded with -1
+    sampling: SamplingRows
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["tokens_RQ", "count_R", "stopped_R"], meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """What a cycle commits per row: the first `count_R` of `tokens_RQ`."""
+
+    tokens_RQ: jax.Array  # accepted drafts then the target's token (junk past count_R)
+    count_R: jax.Array  # tokens committed: accepted + 1, cut at a stop token; 0 if remaining_R was 0
+    stopped_R: jax.Array  # bool: the last committed token is a stop token
+
+
+def drafts_to_verify(remaining_R, num_drafts: int):
+    """Drafts a row verifies: all N, fewer near its length cap (it commits accepted + 1)."""
+    return jnp.clip(remaining_R - 1, 0, num_drafts)
+
+
+def commit_counts(tokens_RQ, num_accepted_R, remaining_R, stop_ids_RX):
+    """(count_R, stopped_R): a row commits its accepted drafts and the target's token, up to
+    and including its first stop token; nothing if it had nothing remaining. E.g. tokens [5, 9,
+    2, 7], 2 accepted, stop ids [2]: count 3 -> [5, 9, 2], stopped."""
+    offsets_Q = jnp.arange(tokens_RQ.shape[1], dtype=jnp.int32)
+    count_R = jnp.where(remaining_R > 0, num_accepted_R + 1, 0)
+    is_stop_RQ = (tokens_RQ[:, :, None] == stop_ids_RX[:, None, :]).any(-1) & (offsets_Q < count_R[:, None])
+    stopped_R = is_stop_RQ.any(axis=1)
+    count_R = jnp.where(stopped_R, jnp.argmax(is_stop_RQ, axis=1) + 1, count_R)
+    return count_R, stopped_R
+
+
+def verify_batch(state: DecodeState, page_table_SM, remaining_S, stop_ids_SX, sampling_rows: SamplingRows,
+                 page_size: int) -> CycleBatch:
+    """Every slot as one verify row block (anchor + drafts at consecutive positions): the
+    batch of `generate`'s loop, where batch row r is slot r."""
+    num_slots, num_drafts = state.drafts_SN.shape
+    tokens_SQ = jnp.concatenate([state.anchor_S[:, None], state.drafts_SN], axis=1)
+    num_query = tokens_SQ.shape[1]
+    positions_SQ = state.anchor_pos_S[:, None] + jnp.arange(num_query, dtype=jnp.int32)
+    slots_S = jnp.arange(num_slots, dtype=jnp.int32)
+    target = TargetBatch(
+        token_ids=tokens_SQ.reshape(-1),
+        positions=positions_SQ.reshape(-1),
+        rows=jnp.repeat(slots_S, num_query),
+        slots=slots_of(page_table_SM, positions_SQ, page_size).reshape(-1),
+        query_start_loc=jnp.arange(num_slots + 1, dtype=jnp.int32) * num_query,
+        block_table=page_table_SM,
+        logits_rows=jnp.arange(num_slots * num_query, dtype=jnp.int32),
+    )
+    return CycleBatch(
+        target=target,
+        draft_page_tables=(page_table_SM,) * len(state.draft_caches),
+        slots_R=slots_S,
+        verify_rows_RQ=target.logits_rows.reshape(num_slots, num_query),
+        anchor_pos_R=state.anchor_pos_S,
+        verifying_R=jnp.ones((num_slots,), bool),
+        remaining_R=remaining_S,
+        next_prefill_tokens_R=jnp.zeros_like(slots_S),
+        stop_ids_RX=stop_ids_SX,
+        sampling=sampling_rows,
+    )
+
+
+def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
+    """`batch` with each verifying row's tokens, positions and KV slots taken from its slot's
+    state (the host that scheduled it need not know them) and every real token's KV slot
+    computed. A verifying row r's target tokens are `anchor_S[slot], drafts_SN[slot]` at
+    positions `anchor_pos_S[slot] + 0 .. N`."""
+    target = batch.target
+    read_R = jnp.minimum(batch.slots_R, state.anchor_S.shape[0] - 1)  # padding rows read the last slot
+    anchor_pos_R = jnp.where(batch.verifying_R, state.anchor_pos_S[read_R], batch.anchor_pos_R)
+    num_tokens = target.token_ids.shape[0]
+    t_T = jnp.arange(num_tokens)
+    real_T = t_T < target.query_start_loc[-1]
+    from_state_T = real_T & batch.verifying_R[target.rows]
+    positions_T = jnp.where(from_state_T, anchor_pos_R[target.rows] + t_T - target.query_start_loc[target.rows],
+                            target.positions)
+    first_rows_R = jnp.where(batch.verifying_R, target.query_start_loc[:-1], num_tokens)  # out of range: dropped
+    tokens_T = target.token_ids.at[first_rows_R].set(state.anchor_S[read_R], mode="drop")
+    num_drafts = state.drafts_SN.shape[1]
+    if num_drafts:
+        draft_rows_RN = jnp.where(batch.verifying_R[:, None], batch.verify_rows_RQ[:, 1:], num_tokens)
+        tokens_T = tokens_T.at[draft_rows_RN].set(state.drafts_SN[read_R], mode="drop")
+    slots_T = jnp.where(real_T, slots_of(target.block_table, positions_T, state.target_cache.page_size, target.rows),
+                        PAD_SLOT)
+    target = dataclasses.replace(target, token_ids=tokens_T, positions=positions_T, slots=slots_T)
+    return dataclasses.replace(batch, target=target, anchor_pos_R=anchor_pos_R)
+
+
+def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig) -> tuple[DecodeState, Committed]:
+    """Target forward, verification, commit, next drafts: one cycle over `batch`.
+
+    `models` is (target,) or (target, drafter). Rows whose `remaining_R` is 0 commit nothing
+    and leave their slot's anchor alone; padding rows (slot S) write no state at all."""
+    target = models[0]
+    n = cfg.num_drafts
+    num_rows, num_query = batch.verify_rows_RQ.shape
+    rows_R = jnp.arange(num_rows)
+    p = batch.sampling
+    target_cache, logits, features = target_step(target, state.target_cache, batch.target, cfg.layer_ids,
+                                                 cfg.kernels)
+    logits_RQV = logits.reshape(num_rows, num_query, -1)
+    with jax.named_scope("verify"):
+        if num_query == 1:  # no drafts in this batch: one token from the target
+            tokens_RQ = sampling.sample_target(logits_RQV[:, 0], p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R,
+                                               batch.anchor_pos_R, greedy=cfg.greedy)[:, None]
+            accepted_R = jnp.zeros_like(rows_R)
+        else:
+            read_R = jnp.minimum(batch.slots_R, state.drafts_SN.shape[0] - 1)
+            num_drafts_R = jnp.where(batch.verifying_R, drafts_to_verify(batch.remaining_R, n), 0)
+            tokens_RQ, accepted_R = sampling.rejection_sample(
+                logits_RQV, state.drafts_SN[read_R], None if cfg.greedy else state.draft_probs_SNV[read_R],
+                num_drafts_R, p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R, batch.anchor_pos_R,
+                greedy=cfg.greedy,
+            )
+        count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RX)
+    samples_R = batch.remaining_R > 0
+    next_anchor_R = tokens_RQ[rows_R, accepted_R]
+    next_anchor_pos_R = batch.anchor_pos_R + accepted_R + 1
+    num_slots = state.anchor_S.shape[0]
+    anchor_slots_R = jnp.where(samples_R, batch.slots_R, num_slots)  # out of range: dropped
+    state = dataclasses.replace(
+        state,
+        target_cache=target_cache,
+        anchor_S=state.anchor_S.at[anchor_slots_R].set(next_anchor_R, mode="drop"),
+        anchor_pos_S=state.anchor_pos_S.at[anchor_slots_R].set(next_anchor_pos_R, mode="drop"),
+    )
+    if n:
+        draft_caches, draft_logits_RNV = draft_step(
+            target, models[1], state.draft_caches, batch.draft_page_tables, batch.target, features,
+            num_rejected_R=jnp.where(batch.verifying_R, n - accepted_R, 0),
+            num_sampled_R=samples_R.astype(jnp.int32),
+            last_sampled_R=next_anchor_R,
+            next_prefill_tokens_R=batch.next_prefill_tokens_R,
+            num_drafts=n, draft_block_size=cfg.draft_block_size, max_model_len=cfg.max_model_len,
+            kernels=cfg.kernels,
+        )
+        with jax.named_scope("sample_drafts"):
+            drafts_RN, probs_RNV = sampling.sample_drafts(draft_logits_RNV, p.temperature_R, p.top_k_R, p.top_p_R,
+                                                          p.seeds_R, next_anchor_pos_R, greedy=cfg.greedy)
+        state = dataclasses.replace(
+            state,
+            draft_caches=draft_caches,
+            drafts_SN=state.drafts_SN.at[batch.slots_R].set(drafts_RN, mode="drop"),
+            draft_probs_SNV=(state.draft_probs_SNV if cfg.greedy
+                             else state.draft_probs_SNV.at[batch.slots_R].set(probs_RNV, mode="drop")),
+        )
+    return state, Committed(tokens_RQ, count_R, stopped_R)

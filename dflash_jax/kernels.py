@@ -1,0 +1,93 @@
+"""Which implementation computes each kernel: one frozen value, resolved once, passed down.
+
+`Kernels` names the implementation of the four kernels a step runs: paged attention, the
+DFlash layout, the residual add + RMSNorm and the heads' finish (q/k norm, RoPE, K/V cache
+write). "auto" has one meaning for all four: the Pallas kernel on a GPU, the jnp reference
+elsewhere (where Pallas could only run in its slow interpret mode). `resolve()` replaces
+"auto" by what it means on this backend; the resolved value travels in each program's
+static configuration, so it is part of the jit cache key and a different choice compiles a
+different program. Nothing here reads the environment: a caller that wants environment
+defaults (the CLI) reads them itself.
+
+    kernels = Kernels(attention="pallas").resolve()   # the others "auto"
+    add_norm = kernels.add_rms_norm                   # a function, for the models' layers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
+from pallas_kernels.paged_attention import (
+    default_block_q, default_kv_splits, paged_attention_pallas, query_blocks,
+)
+from pallas_kernels.paged_attention_reference import paged_attention_reference
+from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
+
+# Implementations each kernel accepts; "auto" resolves to "pallas" on a GPU, else "reference".
+CHOICES = {
+    "attention": ("auto", "reference", "pallas"),
+    "layout": ("auto", "reference", "pallas", "triton"),
+    "norm": ("auto", "reference", "pallas"),
+    "heads": ("auto", "reference", "pallas"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
+    "triton", the jax-triton kernel). Hashable: a static jit argument."""
+
+    attention: str = "auto"
+    layout: str = "auto"
+    norm: str = "auto"
+    heads: str = "auto"
+
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"the {name} kernel must be one of {', '.join(choices)}, got {value!r}.")
+
+    def resolve(self) -> Kernels:
+        """This value with "auto" replaced by what it means on the default backend."""
+        on_gpu = jax.default_backend() == "gpu"
+        return Kernels(**{
+            name: ("pallas" if on_gpu else "reference") if getattr(self, name) == "auto" else getattr(self, name)
+            for name in CHOICES
+        })
+
+    @property
+    def add_rms_norm(self):
+        """`add_rms_norm_reference`'s signature: (x + delta, its RMSNorm)."""
+        return add_rms_norm_pallas if self._chosen("norm") == "pallas" else add_rms_norm_reference
+
+    @property
+    def finish_heads(self):
+        """`finish_heads_reference`'s signature: (queries, key cache, value cache)."""
+        return finish_heads_pallas if self._chosen("heads") == "pallas" else finish_heads_reference
+
+    def paged_attention(self, q_req_T, *, num_rows: int, group: int, dtype):
+        """`paged_attention_reference` (same arguments) as this value's attention computes
+        it, for the queries of one step. For the Pallas kernel the query blocks, which depend
+        only on the step's `q_req_T`, are cut here once and shared by every layer of the step.
+        `num_rows`: block-table rows; `group`: query heads per kv head; `dtype`: the queries'."""
+        if self._chosen("attention") == "reference":
+            return paged_attention_reference
+        block_q = default_block_q(q_req_T.shape[0], num_rows, group, f32=jnp.dtype(dtype) == jnp.float32)
+        kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q)
+        return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q),
+                                 kv_splits=kv_splits)
+
+    def _chosen(self, name: str) -> str:
+        value = getattr(self, name)
+        if value == "auto":
+            raise ValueError(f"Kernels.{name} is still 'auto': call resolve() once where the run starts.")
+        return value
+
+
+REFERENCE = Kernels("reference", "reference", "reference", "reference")

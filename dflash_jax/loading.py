@@ -1,0 +1,44 @@
+"""`load_target` / `load_drafter`: a model from wherever it is stored. A converted (orbax)
+folder is read by `checkpoint`; a HF folder or a .gguf file is converted on the fly in memory
+by `convert`, without writing anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from convert.hf_to_nnx import model_from_hf
+from dflash_jax.checkpoint import is_orbax_checkpoint, load_checkpoint
+from dflash_jax.config import ConfigError
+from dflash_jax.models import Drafter, Target
+
+
+def load_model(path: str | Path, dtype=None) -> Target | Drafter:
+    """An orbax folder written by the converter, or a HF folder / .gguf file converted on the fly."""
+    path = Path(path)
+    is_gguf = path.suffix.lower() == ".gguf" and path.is_file()
+    if not (path.is_dir() or is_gguf):
+        raise FileNotFoundError(f"{path} is neither a folder nor a .gguf file; give a converted or a HF model folder.")
+    if is_orbax_checkpoint(path):
+        return load_checkpoint(path, dtype)
+    return model_from_hf(path, dtype)[1]
+
+
+def load_target(path: str | Path, dtype=None) -> Target:
+    """The target model at `path` (orbax folder, HF folder or .gguf file); `dtype` None keeps the stored dtype.
+    On a CPU backend a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
+    model = load_model(path, dtype)
+    if not isinstance(model, Target):
+        raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")
+    if jax.default_backend() == "cpu":
+        model.transpose_tied_head()
+    return model
+
+
+def load_drafter(path: str | Path, dtype=None) -> Drafter:
+    """The DFlash drafter at `path` (orbax or HF folder); `dtype` None keeps the stored dtype."""
+    model = load_model(path, dtype)
+    if not isinstance(model, Drafter):
+        raise ConfigError(f"{path} holds a target, not a drafter; use load_target for it.")
+    return model

@@ -1,0 +1,218 @@
+"""Host-side scheduling for the Engine: waiting and running requests, request slots, KV pages,
+preemption and window eviction. No model and no device here: it decides what the next step
+runs and keeps each request's bookkeeping, and the Engine turns that into a device step.
+
+Each step runs the running requests first (1 + N verify rows each), then admits waiting ones
+into free slots; prefill chunks take the token budget that is left. Pages are reserved for
+everything a step may write; when they run out, the most recently admitted request that is
+not in this step is preempted: its pages and slot are freed, and it is recomputed later from
+its prompt and the tokens it already has. A request's step in flight may be uncommitted (the
+Engine launches step k + 1 before it reads step k): its verify rows' count is known then, not
+how many of them were accepted, so pages are reserved for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections import deque
+
+from dflash_jax.kv_cache import NULL_PAGE, OutOfPages, PageAllocator
+from dflash_jax.requests import RequestStats, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; the last one (the anchor) is not in the cache yet
+    params: SamplingParams
+    stats: RequestStats
+    status: Status = Status.WAITING
+    slot: int = -1
+    epoch: int = 0  # bumped when preempted: outputs of steps launched before are dropped
+    pages: list[int] = dataclasses.field(default_factory=list)
+    # Per windowed drafter cache group: page per page index, NULL_PAGE once out of the window.
+    window_pages: list[list[int]] = dataclasses.field(default_factory=list)
+    # Positions 0..num_computed-1 have target (and draft) K/V, counting prefill chunks when
+    # launched and verify steps when committed (their accepted length is known then).
+    num_computed: int = 0
+    # The last prefill chunk is launched: each later step verifies 1 + N rows whose anchor
+    # token and position (and drafts) the device holds, for the verify step in flight too.
+    decoding: bool = False
+    in_flight: Work | None = None  # this request's share of the launched, uncommitted step
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def last_pos(self) -> int:
+        """The last position the request may reach (prompt + max new tokens - 1)."""
+        return self.prompt_len + self.params.max_new_tokens - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Work:
+    """One request's share of a step: `rows` target rows, verify rows or a prefill chunk."""
+
+    request: Request
+    rows: int
+    verifying: bool
+    samples: bool  # the step gives the request a token (verify, or the last prefill chunk)
+    epoch: int  # the request's epoch at launch
+
+
+class Scheduler:
+    """Which requests run in the next step, in which slot, on which pages."""
+
+    def __init__(self, *, max_num_reqs: int, max_num_tokens: int, num_drafts: int, lookahead: int, page_size: int,
+                 allocator: PageAllocator, window_allocators: list[PageAllocator], windows: tuple[int, ...]):
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.num_drafts = num_drafts
+        self.lookahead = lookahead  # positions past a step's rows that it writes (the drafter's block)
+        self.page_size = page_size
+        self.allocator = allocator
+        self.window_allocators = window_allocators  # one per windowed drafter cache group
+        self.windows = windows  # their windows
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def pages_needed(self, num_positions: int) -> int:
+        return -(-num_positions // self.page_size)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[Work]:
+        """This step's work: running requests first (verify rows), then admissions; prefill
+        takes what is left of the token budget."""
+        while self.waiting and len(self.running) < self.max_num_reqs:
+            request = self.waiting.popleft()
+            request.status, request.slot = Status.RUNNING, self._free_slots.pop()
+            self.running.append(request)
+        budget = self.max_num_tokens
+        work: list[Work] = []
+        ending: list[Request] = []  # finished by the step in flight: their pages free at its commit
+        for request in list(self.running):
+            if request.status is not Status.RUNNING:
+                continue  # preempted while scheduling an earlier request
+            flight = request.in_flight
+            if request.decoding:
+                if flight is not None and request.num_generated + 1 >= request.params.max_new_tokens:
+                    ending.append(request)  # the step in flight gives its last token
+                    continue
+                rows = 1 + self.num_drafts
+                # The anchor is at most the step in flight's verify rows past num_computed.
+                end = request.num_computed + (rows if flight is not None and flight.verifying else 0) + rows
+            else:
+                rows = min(len(request.tokens) - request.num_computed, budget)
+                end = request.num_computed + rows
+            if not 0 < rows <= budget:
+                continue
+            if not self._reserve(request, end + self.lookahead, ending + [w.request for w in work]):
+                continue
+            samples = request.decoding or end == len(request.tokens)
+            work.append(Work(request, rows, request.decoding, samples, request.epoch))
+            budget -= rows
+        return work
+
+    def launched(self, work: list[Work]) -> None:
+        """Record that `work` is on the device: prefill chunks' rows are all computed now."""
+        for w in work:
+            w.request.in_flight = w
+            if not w.verifying:
+                w.request.num_computed += w.rows
+                w.request.decoding = w.samples
+
+    def is_current(self, w: Work) -> bool:
+        """Whether a launched share still counts: its request was neither finished nor
+        preempted since the launch."""
+        return w.request.status is not Status.FINISHED and w.request.epoch == w.epoch
+
+    def committed(self, w: Work, num_verified: int) -> None:
+        """Record a launched share's commit: `num_verified` verify rows now have K/V."""
+        request = w.request
+        if request.in_flight is w:
+            request.in_flight = None
+        request.num_computed += num_verified
+        if self.window_allocators:
+            self._evict_out_of_window(request)
+
+    def finish(self, request: Request) -> None:
+        """Free the request's slot and pages now, even with a step of it in flight: steps run
+        on the device in launch order (each takes the state the last one donated), so a
+        later owner's writes land after that step."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self._free_slots.append(request.slot)
+        self._free_pages(request)
+        request.slot, request.in_flight = -1, None
+        request.status = Status.FINISHED
+        request.stats.finish_s = time.perf_counter()
+
+    def _reserve(self, request: Request, num_positions: int, protected: list[Request]) -> bool:
+        """Pages for positions < num_positions, preempting the newest unscheduled others.
+
+        Capped at what the request can ever touch (its longest sequence and one draft block
+        after it), which `Engine.add_request` checked fits the cache.
+        """
+        longest = request.prompt_len + request.params.max_new_tokens + self.lookahead
+        num_pages = self.pages_needed(min(num_positions, longest))
+        missing = num_pages - len(request.pages)
+        while missing > 0:
+            try:
+                request.pages += self.allocator.allocate(missing)
+                break
+            except OutOfPages:
+                victims = [r for r in self.running if r is not request and r not in protected and r.pages]
+                if not victims:
+                    return False
+                self._preempt(victims[-1])
+        if not request.window_pages:
+            request.window_pages = [[] for _ in self.window_allocators]
+        for table, allocator in zip(request.window_pages, self.window_allocators):
+            table += allocator.allocate(max(num_pages - len(table), 0))  # sized never to run out
+        return True
+
+    def _evict_out_of_window(self, request: Request) -> None:
+        """Give back windowed-group pages no future query can see (spec section 2's window)."""
+        for table, allocator, window in zip(request.window_pages, self.window_allocators, self.windows):
+            # The next queries sit at positions >= num_computed and see keys >= q - (W - 1). A
+            # prefill chunk in flight may still read a page freed here: steps run on the device
+            # in launch order, so whoever gets the page next writes it after that chunk.
+            first_visible = request.num_computed - window + 1
+            for index in range(max(first_visible, 0) // self.page_size):
+                if table[index] != NULL_PAGE:
+                    allocator.free([table[index]])
+                    table[index] = NULL_PAGE
+
+    def _free_pages(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        for table, allocator in zip(request.window_pages, self.window_allocators):
+            allocator.free([page for page in table if page != NULL_PAGE])
+        request.pages, request.window_pages = [], []
+
+    def _preempt(self, request: Request) -> None:
+        self._free_pages(request)
+        self.running.remove(request)
+        self._free_slots.append(request.slot)
+        request.slot, request.num_computed = -1, 0
+        request.status, request.decoding, request.in_flight = Status.WAITING, False, None
+        request.epoch += 1
+        request.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
