@@ -418,12 +418,12 @@ def section_generate(pair, prompts, impl, opts):
     from dflash_jax.generate import generate, generate_autoregressive
 
     out = {"ar": time_generate(
-        lambda n: generate_autoregressive(pair.target, prompts, max_new_tokens=n, attention_impl=impl),
+        lambda n: generate_autoregressive(pair.target, prompts, max_new_tokens=n, kernels=opts.kernels_for(impl)),
         opts.n_tokens, opts.reps, opts.point_budget_s), "dflash": {}}
     for block in opts.block_sizes:
         out["dflash"][str(block)] = time_generate(
             lambda n: generate(pair.target, pair.drafter, prompts, max_new_tokens=n, block_size=block,
-                               attention_impl=impl),
+                               kernels=opts.kernels_for(impl)),
             opts.n_tokens, opts.reps, opts.point_budget_s)
     return out
 
@@ -449,7 +449,7 @@ def time_engine(pair, prompts, impl, opts, async_scheduling, drafter=None):
     # many tokens leave a DFlash step room for a few.
     max_new = (steps + warm + 2 + -(-batch * context // budget)) * (1 if drafter is None else 2)
     engine = Engine(pair.target, drafter, max_num_reqs=next_pow2(batch), max_num_tokens=budget,
-                    max_model_len=context + max_new + 2 * PAGE_SIZE, attention_impl=impl,
+                    max_model_len=context + max_new + 2 * PAGE_SIZE, kernels=opts.kernels_for(impl),
                     async_scheduling=async_scheduling)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     t0 = time.perf_counter()
@@ -481,10 +481,11 @@ def section_steps(pair, batch, context, impl, opts, rng):
 
     from dflash_jax import sampling
     from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
-    from dflash_jax.steps import DraftShape, block_batch, draft_block, draft_layouts, target_step, write_context_kv
+    from dflash_jax.steps import block_batch, draft_block, draft_layouts, target_step, write_context_kv
 
     target, drafter = pair.target, pair.drafter
     tcfg, dcfg = target.cfg, drafter.cfg
+    kernels = opts.kernels_for(impl).resolve()
     width = pages_per_request(context, next_pow2(opts.n_tokens), max(*opts.block_sizes, dcfg.block_size) - 1)
     table = 1 + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
     num_pages = 1 + batch * width
@@ -511,7 +512,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
         return tuple(PagedKVCache.for_model(drafter, len(layers), num_pages, PAGE_SIZE) for layers in groups.layers)
 
     def ar_step(models, cache, batch_):
-        cache, logits, _ = target_step(models[0], cache, batch_, (), impl)
+        cache, logits, _ = target_step(models[0], cache, batch_, (), kernels)
         return cache, sampling.sample_target(logits, *sampling_R, start_R, greedy=True)
 
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (batch, max(opts.block_sizes))), jnp.int32)
@@ -520,7 +521,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
     for block in opts.block_sizes:
         num_drafts = block - 1
         # As `generate` by default: the drafter fills its trained block, the first block - 1 drafts are verified.
-        shape = DraftShape(num_drafts, tcfg.max_position_embeddings, "auto", impl, dcfg.block_size)
+        shape = dict(draft_block_size=dcfg.block_size, max_model_len=tcfg.max_position_embeddings)
         verify_batch = block_batch(tokens[:, :block], start_R, table, PAGE_SIZE)
         key, k1, k2, k3 = jax.random.split(key, 4)
         features = jax.random.normal(k1, (batch * block, len(dcfg.target_layer_ids) * tcfg.hidden_size),
@@ -530,11 +531,11 @@ def section_steps(pair, batch, context, impl, opts, rng):
         drafts = sampling.sample_drafts(draft_logits, *sampling_R, start_R, greedy=True)
         layout_args = dict(num_rejected_R=jnp.full((batch,), num_drafts, jnp.int32),
                            num_sampled_R=jnp.ones_like(zeros_R), last_sampled_R=tokens[:, 0],
-                           next_prefill_tokens_R=zeros_R, shape=shape)
+                           next_prefill_tokens_R=zeros_R, layout_impl=kernels.layout, **shape)
         layouts = draft_layouts(drafter, page_sizes, tables, verify_batch, **layout_args)
 
         def verify(models, cache, batch_):
-            cache, logits, feats = target_step(models[0], cache, batch_, dcfg.target_layer_ids, impl)
+            cache, logits, feats = target_step(models[0], cache, batch_, dcfg.target_layer_ids, kernels)
             return cache, (logits, feats)
 
         def layout(models, carry, batch_, layout_args=layout_args):
@@ -543,8 +544,9 @@ def section_steps(pair, batch, context, impl, opts, rng):
         def ctx_kv(models, caches, inputs):
             return write_context_kv(models[1], caches, *inputs), ()
 
-        def draft(models, caches, layouts_, shape=shape):
-            return draft_block(models[0], models[1], caches, tables, layouts_, shape)
+        def draft(models, caches, layouts_, num_drafts=num_drafts):
+            return draft_block(models[0], models[1], caches, tables, layouts_, num_drafts=num_drafts,
+                               draft_block_size=dcfg.block_size, kernels=kernels)
 
         def sample(models, carry, logits):
             return carry, sampling.sample_drafts(logits, *sampling_R, start_R, greedy=True)
@@ -579,9 +581,9 @@ def profile_generate(pair, prompts, impl, opts, log_dir):
     from dflash_jax.generate import generate, generate_autoregressive
 
     runs = {
-        "ar": lambda n: generate_autoregressive(pair.target, prompts, max_new_tokens=n, attention_impl=impl),
+        "ar": lambda n: generate_autoregressive(pair.target, prompts, max_new_tokens=n, kernels=opts.kernels_for(impl)),
         "dflash": lambda n: generate(pair.target, pair.drafter, prompts, max_new_tokens=n,
-                                     block_size=max(opts.block_sizes), attention_impl=impl),
+                                     block_size=max(opts.block_sizes), kernels=opts.kernels_for(impl)),
     }
     out = {}
     for name, run in runs.items():
@@ -972,6 +974,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
+    parser.add_argument("--kernels", default="", help="the other kernels' implementations, e.g. norm=reference "
+                        "(dflash_jax.Kernels.parse; default all auto)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ", ".join(SECTIONS))
     parser.add_argument("--block-sizes", default="16", help="DFlash block sizes, e.g. 16,8 (at most the "
                         "drafter's 16; projections use block 16's cycle)")
@@ -1027,10 +1031,12 @@ def main(argv=None):
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         parser.error(f"unknown sections {bad}; choose from {SECTIONS}")
-    from dflash_jax.attention import resolve_attention_impl
+    from dflash_jax.kernels import Kernels
 
+    base_kernels = Kernels.parse(opts.kernels)
+    opts.kernels_for = lambda impl: dataclasses.replace(base_kernels, attention=impl)
     for impl in impls:
-        resolve_attention_impl(impl)
+        opts.kernels_for(impl)
     out_path = opts.out
     md_path = os.path.splitext(out_path)[0] + ".md"
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -1044,7 +1050,8 @@ def main(argv=None):
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
                env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                    "XLA_FLAGS", "DFLASH_NORM_IMPL", "DFLASH_HEADS_IMPL")},
+                                                    "XLA_FLAGS")},
+               kernels=opts.kernels,
                points=[], skipped=[], timeline=[])
 
     def save():
@@ -1123,7 +1130,7 @@ def main(argv=None):
         for result, prompts in work:
             batch, context, impl = result["batch"], result["context"], result["attention_impl"]
             tag = f"{label(batch, context)} {impl} {section}"
-            prefill_ok = resolve_attention_impl(impl) == "pallas" or batch * context**2 <= opts.generate_limit
+            prefill_ok = opts.kernels_for(impl).resolve().attention == "pallas" or batch * context**2 <= opts.generate_limit
             if budget.left() <= 0:
                 run["skipped"].append(f"{tag}: time budget (--budget-s {opts.budget_s:.0f})")
                 note(run["skipped"][-1])

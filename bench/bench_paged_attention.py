@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dflash_jax.attention import paged_attention  # noqa: E402
+from pallas_kernels.paged_attention_reference import paged_attention_reference as paged_attention  # noqa: E402
 from dflash_jax.config import LayerAttention  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     TRITON_DEPRECATION,

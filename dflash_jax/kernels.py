@@ -15,6 +15,7 @@ defaults (the CLI) reads them itself.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 
@@ -52,6 +53,19 @@ class Kernels:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"the {name} kernel must be one of {', '.join(choices)}, got {value!r}.")
+
+    @classmethod
+    def parse(cls, spec: str) -> Kernels:
+        """From "name=impl,..." (e.g. "attention=pallas,norm=reference"; "" is all "auto"):
+        the command line's form."""
+        choices = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, impl = item.partition("=")
+            if not sep or name.strip() not in CHOICES:
+                raise ValueError(f"kernel choice {item!r} is not name=impl with a name among "
+                                 f"{', '.join(CHOICES)}; e.g. attention=pallas,norm=reference.")
+            choices[name.strip()] = impl.strip()
+        return cls(**choices)
 
     def resolve(self) -> Kernels:
         """This value with "auto" replaced by what it means on the default backend."""
@@ -91,3 +105,19 @@ class Kernels:
 
 
 REFERENCE = Kernels("reference", "reference", "reference", "reference")
+
+
+def add_kernels_argument(parser) -> None:
+    """The command line's `--kernels name=impl,...` (an argparse parser's option)."""
+
+    def parse(spec: str) -> Kernels:
+        try:
+            return Kernels.parse(spec)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parser.add_argument(
+        "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
+        help="implementation of each kernel: attention, layout, norm, heads = auto | reference | pallas "
+        "(layout also triton); auto, the default, is Pallas on a GPU and the jnp reference elsewhere",
+    )

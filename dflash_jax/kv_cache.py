@@ -1,8 +1,8 @@
 """Paged KV caches (device arrays) and the host-side page allocator.
 
 A cache holds, per layer, keys and values as flat slot arrays `[num_pages * page_size, K, H]`:
-slot `page * page_size + offset` holds one token. A request's block table row lists its
-pages; position p lives at slot `block_table[p // page_size] * page_size + p % page_size`.
+slot `page * page_size + offset` holds one token. A request's page table row lists its
+pages; position p lives at slot `page_table[p // page_size] * page_size + p % page_size`.
 Page 0 is the null page: never handed out, so block-table padding points at it harmlessly.
 Writes go through slot mappings where a negative slot (the pad slot) writes nothing.
 """
@@ -80,15 +80,15 @@ def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, 
     return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def slots_of(block_table, positions, page_size: int, rows=None):
-    """Slot of each position through its block table row: `block_table` [..., max_blocks] and
-    `positions` [..., n] with the same leading shape; or, for ragged tokens, `block_table`
-    [R, max_blocks] and `rows` [T], each token's row. numpy on the host, jax on the device."""
+def slots_of(page_table, positions, page_size: int, rows=None):
+    """Slot of each position through its page table row: `page_table` [..., pages_per_req] and
+    `positions` [..., n] with the same leading shape; or, for ragged tokens, `page_table`
+    [R, pages_per_req] and `rows` [T], each token's row. numpy on the host, jax on the device."""
     if rows is not None:
-        pages = block_table[rows, positions // page_size]
+        pages = page_table[rows, positions // page_size]
     else:
-        xp = np if isinstance(block_table, np.ndarray) else jnp
-        pages = xp.take_along_axis(block_table, positions // page_size, axis=-1)
+        xp = np if isinstance(page_table, np.ndarray) else jnp
+        pages = xp.take_along_axis(page_table, positions // page_size, axis=-1)
     return pages * page_size + positions % page_size
 
 
@@ -96,7 +96,7 @@ def slots_of(block_table, positions, page_size: int, rows=None):
 class DraftCacheGroups:
     """The drafter's KV-cache groups, one per attention kind (as vLLM groups them).
 
-    Group 0 holds the unwindowed layers and shares the target's pages and block table; each
+    Group 0 holds the unwindowed layers and shares the target's pages and page table; each
     other group holds the layers of one window W, with its own pages, so pages that fell out
     of the window can be given back. `layers[g]` lists the drafter layers of group g.
     """

@@ -37,11 +37,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     """`lax.dot_general` for the models' products (layers, LM head, drafter context).
 
     On a CPU backend a bfloat16 product asks XLA for a float32 result (cast back) and runs a
-    single row as two: on 2 EPYC cores with avx512_bf16 (jax 0.10), 30 layers of SmolLM2-135M's
-    gate/up product took ~60 ms with a bfloat16 result at any row count and with a float32
-    result at one row, but 5.3-5.6 ms at 2-8 rows, against 5.9-8.6 ms in float32
-    (bench/cpu_products.py). With both, bfloat16 SmolLM2 decodes faster than float32 there and
-    a 4-8-row verify block costs about what one row does. Elsewhere it is `lax.dot_general`.
+    single row as two: XLA CPU's fast bfloat16 kernels need a float32 result and more than one
+    row, and its other bfloat16 paths are an order of magnitude slower (bench/cpu_products.py).
+    With both, bfloat16 decodes faster than float32 there and a few-row verify block costs
+    about what one row does. Elsewhere it is `lax.dot_general`.
     """
     if jax.default_backend() != "cpu" or lhs.dtype != jnp.bfloat16:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -185,10 +184,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        # Queries, keys and values in one matrix [Wq | Wk | Wv]: on the H200 (jax 0.11.2) XLA
-        # turned the separate k and v products of a decode step (4096 x 1024 each at Qwen3-8B)
-        # into multiply + reduce kernels, 31 us per layer for 17 MB; one product reads them at
-        # the matrix rate. The converter fills the columns from HF's q_proj/k_proj/v_proj.
+        # Queries, keys and values in one matrix [Wq | Wk | Wv]: on a GPU XLA turns narrow
+        # separate k and v products of a decode step into slow multiply + reduce kernels; one
+        # product reads them at the matrix rate. The converter fills the columns from HF's
+        # q_proj/k_proj/v_proj.
         self.qkv_proj = linear(d, (n + 2 * k) * h, ("embed", "qkv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
         self.qk_norm = qk_norm

@@ -65,9 +65,9 @@ def _per_row(param, logits) -> jax.Array:
 
 
 # When every truncating row has 0 < top_k <= this, top-k/top-p rank only the top TOP_K_FAST
-# candidates. XLA's GPU TopK kernel covers k <= 16 (H200, 256 x 151936 f32: 0.64 ms at
-# k = 16); a larger k falls back to a full sort (2.6 ms), so other rows take
-# `_threshold_truncation_mask` instead, which needs no ranking at all.
+# candidates. XLA's GPU TopK kernel covers k <= 16; a larger k falls back to a full sort, several
+# times slower (bench/NOTES.md), so other rows take `_threshold_truncation_mask` instead,
+# which needs no ranking at all.
 TOP_K_FAST = 16
 
 
@@ -103,10 +103,9 @@ def threshold_digit_bits(rows: int) -> int:
     """Bits of a threshold `_largest_key` settles per pass, for `rows` rows of scores.
 
     Each pass counts 2**bits - 1 candidate thresholds in one sweep of the vocabulary, so a
-    32-bit key takes 32 / bits passes: fewer passes, more counting per pass. On the H200
-    (jax 0.11.2, V = 151936, both masks; bench/bench_sampling.py) 4 bits won at R = 8
-    (0.41 ms; 1 bit 1.21, the full sort 0.50) and 2 bits at R = 32 (0.81; 4 bits 1.08, sort
-    1.41) and R = 256 (4.6; 4 bits 7.2, sort 4.1).
+    32-bit key takes 32 / bits passes: fewer passes, more counting per pass. Few rows leave
+    the GPU idle between passes, so they take wide digits; many rows make counting the cost,
+    so they take narrow ones (`bench/bench_sampling.py` chose the split).
     """
     return 4 if rows <= 16 else 2
 

@@ -119,7 +119,7 @@ def unpack(ints, floats, layout) -> tuple[CycleBatch, object]:
          for buffer, fields in zip((ints, floats), layout) for name, shape, offset in fields}
     target = TargetBatch(
         token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,  # `fill_verify_rows`
-        query_start_loc=f["query_start_loc"], block_table=f["page_table"], logits_rows=f["verify_rows"].reshape(-1),
+        query_start_loc=f["query_start_loc"], page_table=f["page_table"], logits_rows=f["verify_rows"].reshape(-1),
     )
     window_tables = tuple(f[name] for name, _, _ in layout[0] if name.startswith("window_table_"))
     batch = CycleBatch(

@@ -26,7 +26,7 @@ from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["token_ids", "positions", "rows", "slots", "query_start_loc", "block_table", "logits_rows"],
+    data_fields=["token_ids", "positions", "rows", "slots", "query_start_loc", "page_table", "logits_rows"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class TargetBatch:
     rows: jax.Array  # [T] batch row of each token (0 for padding)
     slots: jax.Array  # [T] KV slot, PAD_SLOT for padding
     query_start_loc: jax.Array  # [R + 1]
-    block_table: jax.Array  # [R, max_blocks]
+    page_table: jax.Array  # [R, pages_per_req]
     logits_rows: jax.Array  # [S] token rows whose logits are wanted
 
 
@@ -52,7 +52,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     the (resolved) `kernels`."""
     seq_lens_R = _seq_lens(batch)
     paged_attention = kernels.paged_attention(
-        batch.rows, num_rows=batch.block_table.shape[0],
+        batch.rows, num_rows=batch.page_table.shape[0],
         group=target.cfg.num_heads // target.cfg.num_kv_heads, dtype=target.dtype,
     )
 
@@ -60,7 +60,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
         nonlocal cache
         q, cache = cache.write_heads(layer, batch.slots, heads, kernels)
         return paged_attention(
-            q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.block_table, seq_lens_R,
+            q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.page_table, seq_lens_R,
             page_size=cache.page_size, rule=CAUSAL,
         )
 
@@ -70,7 +70,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     return cache, logits, features_TF
 
 
-def block_batch(tokens_RQ, start_R, block_table_RM, page_size: int) -> TargetBatch:
+def block_batch(tokens_RQ, start_R, page_table_RM, page_size: int) -> TargetBatch:
     """R requests of Q consecutive tokens each (a verify block, or one decode token), row r
     at positions start_R[r] .. start_R[r] + Q - 1 through its block-table row; logits are
     wanted at every token. E.g. Q = 3, start_R = [7, 2]: positions [7, 8, 9, 2, 3, 4]."""
@@ -80,9 +80,9 @@ def block_batch(tokens_RQ, start_R, block_table_RM, page_size: int) -> TargetBat
         token_ids=tokens_RQ.reshape(-1),
         positions=positions_RQ.reshape(-1),
         rows=jnp.repeat(jnp.arange(num_reqs, dtype=jnp.int32), num_query),
-        slots=slots_of(block_table_RM, positions_RQ, page_size).reshape(-1),
+        slots=slots_of(page_table_RM, positions_RQ, page_size).reshape(-1),
         query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
-        block_table=block_table_RM,
+        page_table=page_table_RM,
         logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
     )
 
@@ -139,7 +139,7 @@ def draft_layouts(drafter: Drafter, caches, page_tables, batch: TargetBatch, *, 
     """The layout kernel's query, context and sample rows for `batch`, once per cache group
     (with that group's page table; of `caches` only the page sizes are read). The kernel
     keeps vLLM's names: its `block_table` is a page table, its `block_size` a page size."""
-    num_rows = batch.block_table.shape[0]
+    num_rows = batch.page_table.shape[0]
     unused_R = jnp.zeros(num_rows, jnp.int32)  # the layout's sampling copies are not read here
     return [
         prepare_dflash_inputs(

@@ -3,10 +3,7 @@ buckets use them too) and a quiet jax 0.11 deprecation warning."""
 
 from __future__ import annotations
 
-import os
 import warnings
-
-import jax
 
 # jax 0.11 warns at every Triton-backend lowering; the kernels still compile and run.
 TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
@@ -18,16 +15,6 @@ def quiet_triton_deprecation():
     the GPU (it fires when the surrounding jit lowers, after this call; re-adding the same
     filter replaces it, so each trace re-installs it after a `catch_warnings` reset)."""
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
-
-def use_kernel(env_var: str) -> bool:
-    """Whether a Pallas kernel replaces its jnp reference in programs traced now. `env_var`
-    is "auto" (the default: the kernel on a GPU), "reference" (an A/B switch) or "pallas"
-    (the kernel everywhere; interpret mode off a GPU, for tests of the fused path on CPU)."""
-    impl = os.environ.get(env_var, "auto")
-    if impl not in ("auto", "reference", "pallas"):
-        raise ValueError(f"{env_var} must be auto, reference or pallas, got {impl!r}.")
-    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
 
 
 def next_pow2(n: int) -> int:

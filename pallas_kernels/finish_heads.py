@@ -4,8 +4,8 @@ interpret mode on CPU), beside its jnp reference.
 
 After the q/k/v product, XLA makes ~7 small kernels of a decode step's layer: the two head
 norms (a reduction and a scaling each), the rotations, and a scatter per cache. At batch 1
-each costs a few microseconds, ~0.25 ms of a Qwen3-8B step over 36 layers
-(bench/NOTES.md). Here one program per (token, head) loads its head once, and writes either
+each costs a few microseconds, and a deep model pays them in every layer (bench/NOTES.md).
+Here one program per (token, head) loads its head once, and writes either
 the finished query or its cache row; the caches are aliased to the outputs, so the write
 updates them in place.
 

@@ -110,11 +110,8 @@ def default_block_q(num_tokens: int, num_rows: int, group: int, f32: bool = Fals
     verify batch of 16-row blocks), at least enough for 16 matrix rows, at most 128 rows,
     or 32 rows for float32 inputs.
 
-    float32 tiles take twice the registers: on the H200 SmolLM2-135M in float32 (group 3,
-    head_dim 64) ran a 16-token DFlash cycle at 9.2 ms with 64-row blocks against 3.0 ms for
-    8-token cycles (32-row blocks) and 3.8 ms with the jnp reference; the cap makes a 16-token
-    block two 32-row blocks, and the demo at block 16 went from 0.33x to 1.50x autoregressive
-    speed (bench/results/2026-11-30-smollm2-finetune-h200.md)."""
+    float32 tiles take twice the registers: 64-row float32 blocks spill and run several times
+    slower than two 32-row ones (bench/results), hence the lower cap."""
     group_pad = next_pow2(group)
     low, high = max(1, 16 // group_pad), max(1, (32 if f32 else 128) // group_pad)
     return min(max(next_pow2(-(-num_tokens // max(1, num_rows))), low), high)
@@ -132,9 +129,9 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
     per H200 SM), at most 16; 1 once the blocks fill the GPU alone (prefill, big batches).
 
     Each program walks its chunks one dependent load after another (page id, then K/V), so
-    a few programs over long rows are latency-bound: on the H200 a batch-1 decode step at 8k
-    keys spent 150 us per layer unsplit (bench/results/2026-11-29-qwen3-8b-shape-h200.md).
-    Splits past a row's real length exit at once."""
+    a few programs over long rows are latency-bound: a batch-1 decode step over long context
+    unsplit leaves most of the GPU idle (bench/results). Splits past a row's real length exit
+    at once."""
     return max(1, min(16, 32 // next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
 
 
@@ -390,8 +387,8 @@ def paged_attention_pallas(
       v_slots_XKH.reshape(X * K, H))
     if S == 1:
         return outs[0].reshape(T, N, H)
-    # The flash-decoding epilogue. As one Pallas kernel (a program per query row) it made the
-    # Qwen3-8B AR step 0.22 ms slower than XLA's kernels (bench/NOTES.md, session 7).
+    # The flash-decoding epilogue, left to XLA: as one Pallas kernel (a program per query row)
+    # it was slower than XLA's fused kernels (bench/NOTES.md).
     acc_SRH = outs[0].reshape(S, rows, H)
     max_SR, sum_SR = outs[1].reshape(S, rows), outs[2].reshape(S, rows)
     weight_SR = jnp.exp(max_SR - jnp.max(max_SR, axis=0))

@@ -33,8 +33,8 @@ def paged_attention_reference(
     in tiles, and each tile walks its keys in chunks (an online softmax) for as many chunks
     as its longest row needs, so gathered keys stay `[tile, key_chunk, K, H]`. With a single
     block-table row (batch 1: a verify or draft block, a prompt) every token reads the same
-    keys, gathered once per chunk as `[key_chunk, K, H]`: on a CPU the per-token gathers made
-    each verified row cost ~3 ms more per SmolLM2 step.
+    keys, gathered once per chunk as `[key_chunk, K, H]`: per-token gathers made every verified
+    row cost extra on a CPU.
     """
     num_tokens, num_heads, head_dim = q_TNH.shape
     num_kv_heads = k_slots_XKH.shape[1]

@@ -3,11 +3,9 @@ CPU), beside its jnp reference.
 
 A pre-norm decoder layer computes ``x = x + delta; h = rmsnorm(x) * w`` twice. XLA on a GPU
 makes three kernels of each: the add, the sum of squares, the scaling, every one reading
-the row again. At batch 1 each costs ~1.4 us, 0.3 ms of a Qwen3-8B decode step
-(bench/results/2026-11-29-qwen3-8b-shape-h200-s4.md). Here one program per row loads ``x``
-and ``delta`` once and writes the sum and the normed row: 2.3 us per call, -0.15 ms per
-batch-1 decode step on the H200; at 16 verify rows no faster than XLA's kernels
-(bench/results/2026-11-30-qwen3-8b-shape-h200-s5.md).
+the row again; at batch 1 each is a launch-bound kernel. Here one program per row loads ``x``
+and ``delta`` once and writes the sum and the normed row: faster at batch 1, no faster than
+XLA's kernels at 16 verify rows (bench/results).
 
 Numerics follow the reference step by step: the sum in the inputs' dtype, the mean square
 and scaling in float32, cast back, then times the weight. Only the order of the float32

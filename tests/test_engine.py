@@ -117,7 +117,7 @@ def test_preemption_recomputes_and_stays_exact(models):
     ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20))
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
-    assert engine.allocator.num_free == 16
+    assert engine.scheduler.allocator.num_free == 16
 
 
 def test_sampled_request_is_the_same_alone_or_in_a_batch(models):
@@ -197,7 +197,7 @@ def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     target, drafters, reference = models
     drafter = drafters["sliding"]
     engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4)
-    (window_pool,) = engine._window_allocators
+    (window_pool,) = engine.scheduler.window_allocators
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:4]]
     most_in_use = 0
     while engine.has_unfinished():
@@ -243,7 +243,7 @@ def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_
             return sampling.processed_probs(logits, 1.0, 0, 1.0)
 
         expected = dense_q(engine.draft_block_size)
-        np.testing.assert_allclose(engine._state.draft_probs[request.slot], expected, atol=2e-5)
+        np.testing.assert_allclose(engine._state.draft_probs_SNV[request.slot], expected, atol=2e-5)
         if engine.draft_block_size != 1 + engine.num_drafts:
             other_block_differs |= not np.allclose(dense_q(1 + engine.num_drafts), expected, atol=1e-3)
         checked += 1

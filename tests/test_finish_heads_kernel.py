@@ -10,9 +10,9 @@ from flax import nnx
 
 import dflash_jax
 from conftest import randomize, save_hf
+from dflash_jax.kernels import Kernels
 from dflash_jax.models import Drafter
 from dflash_jax.train.init import new_drafter_config
-from pallas_kernels.common import use_kernel
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from test_generate import PROMPTS, biased_target
 
@@ -83,17 +83,16 @@ def test_rejects_heads_that_do_not_fit_the_caches():
         finish_heads_pallas(*args[:4], None, *args[5:], num_heads=4, interpret=True)
 
 
-def test_kernel_switch_refuses_unknown_values(monkeypatch):
-    monkeypatch.setenv("DFLASH_HEADS_IMPL", "cuda")
-    with pytest.raises(ValueError, match="DFLASH_HEADS_IMPL must be auto, reference or pallas"):
-        use_kernel("DFLASH_HEADS_IMPL")
-    monkeypatch.setenv("DFLASH_HEADS_IMPL", "reference")
-    assert not use_kernel("DFLASH_HEADS_IMPL")
-    monkeypatch.setenv("DFLASH_HEADS_IMPL", "pallas")
-    assert use_kernel("DFLASH_HEADS_IMPL")
+def test_kernel_choice_refuses_unknown_values():
+    with pytest.raises(ValueError, match="the heads kernel must be one of auto, reference, pallas"):
+        Kernels(heads="cuda")
+    assert Kernels(heads="reference").finish_heads is finish_heads_reference
+    assert Kernels(heads="pallas").finish_heads is finish_heads_pallas
+    with pytest.raises(ValueError, match="still 'auto'"):
+        Kernels().finish_heads
 
 
-def test_fused_heads_keep_greedy_tokens(monkeypatch, tmp_path):
+def test_fused_heads_keep_greedy_tokens(tmp_path):
     """Every layer of the target and drafter finishing its heads through the kernel (interpret
     mode) gives the reference path's greedy tokens and accepted lengths."""
     target = dflash_jax.load_target(save_hf(biased_target(), tmp_path / "target"))
@@ -101,12 +100,10 @@ def test_fused_heads_keep_greedy_tokens(monkeypatch, tmp_path):
                                                    intermediate_size=64), rngs=nnx.Rngs(1)), seed=1)
     results = {}
     for impl in ("reference", "pallas"):
-        monkeypatch.setenv("DFLASH_HEADS_IMPL", impl)
-        jax.clear_caches()  # the switch is read when a program is traced
-        spec = dflash_jax.generate(target, drafter, PROMPTS[:2], max_new_tokens=12, block_size=5)
-        ar = dflash_jax.generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12)
+        kernels = Kernels(heads=impl)  # part of each program's jit key: no cache to clear
+        spec = dflash_jax.generate(target, drafter, PROMPTS[:2], max_new_tokens=12, block_size=5, kernels=kernels)
+        ar = dflash_jax.generate_autoregressive(target, PROMPTS[:2], max_new_tokens=12, kernels=kernels)
         results[impl] = (spec.token_ids, spec.accepted_lengths, ar.token_ids)
-    jax.clear_caches()
     assert results["pallas"] == results["reference"]
     assert results["pallas"][0] == results["pallas"][2]
 

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.attention import dense_attention, paged_attention, position_mask
+from dflash_jax.attention import dense_attention
+from pallas_kernels.attention_mask import position_mask
+from pallas_kernels.paged_attention_reference import paged_attention_reference as paged_attention
 from dflash_jax.config import LayerAttention
 
 RULES = [LayerAttention(True), LayerAttention(False), LayerAttention(True, 5), LayerAttention(False, 9)]

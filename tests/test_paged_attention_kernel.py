@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_jax.attention import paged_attention
+from pallas_kernels.paged_attention_reference import paged_attention_reference as paged_attention
 from dflash_jax.config import LayerAttention
 from pallas_kernels.paged_attention import (
     default_block_q,

@@ -37,9 +37,8 @@ class Drafter(nnx.Module):
 
     def context_kv(self, features_SF, positions_S):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
-        XLA copies the layers' K/V columns into that stack each call (51 us per cycle at
-        Qwen3-8B-DFlash shape on the H200); a product per layer measured no better, as it
-        copies each layer's column slice instead (5 x 11 us).
+        XLA copies the layers' K/V columns into that stack each call; a product per layer is
+        no better, as it copies each layer's column slice instead (bench/NOTES.md).
 
         Returns a list, per layer, of (k [S, K, H], v [S, K, H]), normed and rotated: exactly
         what the drafter's KV cache stores.

@@ -51,12 +51,10 @@ class Target(nnx.Module):
     def transpose_tied_head(self) -> None:
         """Give a tied float32 model's LM head its own [D, V] copy of the embedding table.
 
-        XLA CPU multiplies 2-16 float32 rows by the [V, D] table transposed ~1 ms slower than
-        by a [D, V] copy (SmolLM2-135M on 2 cores: 4.5 vs 3.5 ms at 4 rows; the same at one
-        row), and a DFlash cycle pays it twice (verify and draft heads): the copy (113 MB
-        there) made the CPU demo's float32 DFlash 4% faster (57.4 vs 55.1 tokens/s,
-        interleaved runs in one process). In bfloat16 the [V, D] table is the faster one
-        (2.2 vs 3.0 ms at 4 rows): no copy. `load_target` calls this on CPU backends."""
+        XLA CPU multiplies a few float32 rows by the [V, D] table transposed more slowly than
+        by a [D, V] copy, and a DFlash cycle pays it twice (verify and draft heads); in
+        bfloat16 the [V, D] table is the faster one: no copy (bench/NOTES.md). `load_target`
+        calls this on CPU backends."""
         if self.cfg.tie_word_embeddings and self.dtype == jnp.float32:
             self.head_DV = DerivedWeight(jnp.transpose(self.embed_tokens.embedding[...]))
 

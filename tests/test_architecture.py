@@ -1,0 +1,103 @@
+"""The package's shape: imports that run one way, kernels that know nothing of the library,
+no environment reads in library code, one caller of the samplers. Read from the source (every
+import statement, lazy ones inside functions included), so nothing needs importing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dflash_jax", "pallas_kernels", "convert")
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def imports_of(name: str, tree: ast.Module, known) -> set[str]:
+    """The project modules `name` imports, anywhere in its file (`from package import module`
+    counts as the module when it is one)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph():
+    trees = modules()
+    return {name: imports_of(name, tree, trees) for name, tree in trees.items()}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    # A package's __init__ re-exporting its modules is not a cycle of the modules it names.
+    edges = {m: {t for t in ts if not (m in PACKAGES or t in PACKAGES or t.startswith(m + "."))}
+             for m, ts in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(module, path):
+        state[module] = 1
+        for nxt in sorted(edges[module]):
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [module, nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [module])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])
+
+
+def test_kernels_import_no_library_code():
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith("pallas_kernels"):
+            outside = {t for t in targets if not t.startswith("pallas_kernels")}
+            assert not outside, f"{module} imports {sorted(outside)}: kernels may import only jax, numpy and each other"
+
+
+def test_checkpoint_is_orbax_only():
+    assert not any(t.startswith("convert") for t in import_graph()["dflash_jax.checkpoint"])
+
+
+def test_library_reads_no_environment():
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                raise AssertionError(f"{name} reads the environment (line {node.lineno}); take a parameter instead")
+
+
+def test_one_caller_of_the_samplers():
+    callers = set()
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("rejection_sample", "sample_drafts"):
+                callers.add(name)
+            if isinstance(node, ast.ImportFrom) and any(a.name in ("rejection_sample", "sample_drafts")
+                                                        for a in node.names):
+                callers.add(name)
+    assert callers == {"dflash_jax.cycle"}, callers
+
+
+def test_modules_stay_small():
+    for package in ("dflash_jax",):
+        for path in (ROOT / package).rglob("*.py"):
+            lines = len(path.read_text().splitlines())
+            assert lines <= 520, f"{path.relative_to(ROOT)} has {lines} lines; split it by concern"
