@@ -39,6 +39,11 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
     torch_files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.pt"))
     if torch_files:
         return _torch_source(torch_files)
+    if (model_dir / "params").is_dir():
+        raise ConversionError(
+            f"{model_dir} looks like a converted checkpoint without its dflash_jax.json (an incomplete copy?); "
+            "convert the HF checkpoint again."
+        )
     raise ConversionError(
         f"no weights found in {model_dir}: expected *.safetensors, "
         "model.safetensors.index.json, pytorch_model*.bin or *.pt."
