@@ -75,6 +75,10 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     if missing:
         raise ConversionError(f"missing tensor {missing[0]!r} ({len(missing)} in all) in {hf_dir}.")
 
+    for rule in rules:  # before any tensor is read: a non-float parameter means a wrong file
+        stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
+        if stored is not None and not stored.startswith(("float", "bfloat")):
+            raise ConversionError(_not_float(rule.hf_name, stored))
     if dtype is None:
         first = rules[0].hf_name
         dtype = _float_tensor(first, source.get(aliases.get(first, first))).dtype
@@ -117,11 +121,13 @@ def _float_tensor(name: str, array):
     """Every parameter is a float: a tensor stored as integers or bools means a wrong or
     damaged file, and casting it would silently give a broken model."""
     if not jnp.issubdtype(array.dtype, jnp.floating):
-        raise ConversionError(
-            f"tensor {name!r} is stored as {array.dtype}, not a floating-point type; "
-            "the checkpoint is damaged or not a model of this kind."
-        )
+        raise ConversionError(_not_float(name, array.dtype))
     return array
+
+
+def _not_float(name: str, dtype) -> str:
+    return (f"tensor {name!r} is stored as {dtype}, not a floating-point type; the checkpoint is damaged "
+            "or is not a model of this kind.")
 
 
 def _get_or_none(tree: dict, path: tuple):

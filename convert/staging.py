@@ -91,6 +91,15 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
+def make_folder(folder: Path) -> None:
+    """mkdir -p, with ENOTDIR naming the file in the way (mkdir says only "File exists")."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(blocker)) from None
+
+
 def _remove(path: Path) -> None:
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
@@ -154,7 +163,7 @@ class StagedOutput:
         self.out, self.force, self.what = Path(out), force, what
         if os.path.lexists(self.out) and not force:
             raise FileExistsError(f"{self.out} already exists; pass --force to replace it, or choose another {what}.")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.out.parent)
         remove_stale_staging(self.out)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(self.out)}{_HOST}.{os.getpid()}.", dir=self.out.parent))
         self.path = self.dir / "new"

@@ -39,7 +39,7 @@ def _check_int_array(name: str, value, hint: str) -> np.ndarray:
         flat = list(np.ravel(value))
     except ValueError:  # ragged nesting
         flat = [None]
-    if not flat or not all(is_int(x) for x in flat):
+    if not flat or not all(is_int(x) for x in flat) or sampling._holds_bool(value):  # ravel turns True into 1
         raise ValueError(f"{name} must be an integer{hint}, got {value!r}.")
     return np.asarray(flat, np.int64)
 

@@ -245,7 +245,9 @@ def check_writable_folder(folder: Path) -> None:
     is refused before the target is loaded or a step is run (OSError, named by the CLI)."""
     import tempfile
 
-    folder.mkdir(parents=True, exist_ok=True)
+    from convert.staging import make_folder
+
+    make_folder(folder)
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test."):
         pass
 
