@@ -16,11 +16,21 @@ class ConversionError(ValueError):
     """A checkpoint that cannot be converted; the message names the tensor or file at fault."""
 
 
-class TensorSource:
-    """name -> shape and name -> array (jax or numpy), over every file of one checkpoint."""
+# safetensors' dtype codes -> numpy names.
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
+    "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], getter):
+
+class TensorSource:
+    """name -> shape, name -> stored dtype name (where the format says it without reading the
+    tensor) and name -> array (jax or numpy), over every file of one checkpoint."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], getter, dtypes: dict[str, str] | None = None):
         self.shapes = shapes
+        self.dtypes = dtypes or {}
         self._get = getter
 
     def get(self, name: str):
@@ -39,6 +49,11 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
     torch_files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.pt"))
     if torch_files:
         return _torch_source(torch_files)
+    if (model_dir / "params").is_dir():
+        raise ConversionError(
+            f"{model_dir} looks like a converted checkpoint without its dflash_jax.json (an incomplete copy?); "
+            "convert the HF checkpoint again."
+        )
     raise ConversionError(
         f"no weights found in {model_dir}: expected *.safetensors, "
         "model.safetensors.index.json, pytorch_model*.bin or *.pt."
@@ -48,7 +63,7 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
 def _safetensors_source(files: list[Path]) -> TensorSource:
     from safetensors import SafetensorError, safe_open
 
-    handles, shapes, owner = [], {}, {}
+    handles, shapes, dtypes, owner = [], {}, {}, {}
     for path in files:
         if not path.is_file():
             raise ConversionError(f"{path} is listed in the index but does not exist.")
@@ -60,7 +75,9 @@ def _safetensors_source(files: list[Path]) -> TensorSource:
             ) from err
         handles.append(handle)
         for name in handle.keys():
-            shapes[name] = tuple(handle.get_slice(name).get_shape())
+            tensor = handle.get_slice(name)
+            shapes[name] = tuple(tensor.get_shape())
+            dtypes[name] = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype().lower())
             owner[name] = handle
 
     def get(name):
@@ -69,7 +86,7 @@ def _safetensors_source(files: list[Path]) -> TensorSource:
         except Exception as err:  # safetensors raises its own error types here
             raise ConversionError(f"cannot read tensor {name!r}: {err}") from err
 
-    return TensorSource(shapes, get)
+    return TensorSource(shapes, get, dtypes)
 
 
 def _torch_source(files: list[Path]) -> TensorSource:
@@ -95,4 +112,5 @@ def _torch_source(files: list[Path]) -> TensorSource:
             return tensor.float().numpy().astype(ml_dtypes.bfloat16)
         return tensor.numpy()
 
-    return TensorSource({name: tuple(t.shape) for name, t in state.items()}, get)
+    return TensorSource({name: tuple(t.shape) for name, t in state.items()}, get,
+                        {name: str(t.dtype).removeprefix("torch.") for name, t in state.items()})

@@ -7,51 +7,51 @@ No torch needed: safetensors writes the JAX arrays (bf16 included) directly.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from flax import nnx
 from safetensors.flax import save_file
 
+from convert.staging import StagedOutput, terminate_raises
 from convert.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.config import DrafterConfig, to_hf_config
 from dflash_jax.models import Drafter, Target
 
 
-def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_shard_bytes: int | None = None) -> Path:
-    """Write `model` as a HF folder at `out_dir` (must not exist); atomic like the converter.
+def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_shard_bytes: int | None = None,
+              extra_files: dict[str, str] | None = None) -> Path:
+    """Write `model` as a HF folder at `out_dir` (must not exist); staged like the converter.
 
     With `max_shard_bytes`, weights are split into shards of at most that size (a tensor is
     never split) plus `model.safetensors.index.json`, as HF does for large checkpoints.
+    `extra_files` (name -> text, e.g. a model card) are written into the folder before it is
+    moved into place.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; remove it or choose another folder.")
-    rules = drafter_rules(model.cfg) if isinstance(model.cfg, DrafterConfig) else target_rules(model.cfg)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tensors = {}
-    for rule in rules:
-        array = rule.part(get_path(params, rule.path))
-        array = array.T if rule.transpose else array
-        tensors[rule.hf_name] = (array if dtype is None else array.astype(dtype))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
+        rules = drafter_rules(model.cfg) if isinstance(model.cfg, DrafterConfig) else target_rules(model.cfg)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        tensors = {}
+        for rule in rules:
+            array = rule.part(get_path(params, rule.path))
+            array = array.T if rule.transpose else array
+            tensors[rule.hf_name] = (array if dtype is None else array.astype(dtype))
+        folder = staged.path
+        folder.mkdir()
         shards = _shards(tensors, max_shard_bytes)
         names = ["model.safetensors"] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
         for name, shard in zip(names, shards):
-            save_file({k: tensors[k] for k in shard}, staging / name, metadata={"format": "pt"})
+            save_file({k: tensors[k] for k in shard}, folder / name, metadata={"format": "pt"})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                      "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (staging / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (folder / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
+        for name, text in (extra_files or {}).items():
+            (folder / name).write_text(text)
+        staged.commit()
     return out_dir
 
 

@@ -2,8 +2,10 @@
 
 Every tensor is checked before it is placed: a missing or unexpected name, or a shape that
 differs from the model the config describes, stops the conversion with the tensor's name.
-The orbax folder is written under a temporary name beside OUT_DIR and renamed at the end, so a
-failure leaves nothing behind and an existing OUT_DIR is replaced only when asked.
+The orbax folder is written in a staging folder beside OUT_DIR and renamed in at the end
+(`convert.staging`), so a failure, Ctrl-C or SIGTERM leaves nothing behind, a folder that
+appears at OUT_DIR meanwhile is never replaced, and an existing OUT_DIR is replaced only when
+asked, by a swap that never shows a half-deleted folder.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from convert.checkpoint_reader import ConversionError, open_checkpoint
 from convert.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
 from convert.gguf_tokenizer import gguf_tokenizer_files
+from convert.staging import StagedOutput, refuse_overlap, terminate_raises
 from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.models import abstract_model, model_from_params
@@ -74,9 +76,14 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
     if missing:
         raise ConversionError(f"missing tensor {missing[0]!r} ({len(missing)} in all) in {hf_dir}.")
 
+    for rule in rules:  # before any tensor is read: a non-float parameter means a wrong file
+        stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
+        if stored is not None and not stored.startswith(("float", "bfloat")):
+            raise ConversionError(_not_float(rule.hf_name, stored))
     if dtype is None:
-        dtype = source.get(aliases.get(rules[0].hf_name, rules[0].hf_name)).dtype
-    dtype = jnp.dtype(dtype)
+        first = rules[0].hf_name
+        dtype = _float_tensor(first, source.get(aliases.get(first, first))).dtype
+    dtype = float_dtype(dtype)
     abstract_params = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype), nnx.Param))
     for rule in rules:
         want = rule.part_shape(get_path(abstract_params, rule.path).shape)
@@ -89,7 +96,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
 
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
-        array = jnp.asarray(source.get(aliases.get(rule.hf_name, rule.hf_name)))
+        array = jnp.asarray(_float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name))))
         array = (array.T if rule.transpose else array).astype(dtype)
         if rule.columns is not None:  # a column block of a fused parameter: fill it in place
             whole = _get_or_none(params, rule.path)
@@ -98,6 +105,30 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
             array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
         set_path(params, rule.path, array)
     return raw_config, model_from_params(cfg, dtype, params)
+
+
+def float_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a numpy dtype, or ConversionError unless it is a floating-point type."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ConversionError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ConversionError(f"dtype {dtype.name} is not a floating-point type; use bfloat16, float16 or float32.")
+    return dtype
+
+
+def _float_tensor(name: str, array):
+    """Every parameter is a float: a tensor stored as integers or bools means a wrong or
+    damaged file, and casting it would silently give a broken model."""
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ConversionError(_not_float(name, array.dtype))
+    return array
+
+
+def _not_float(name: str, dtype) -> str:
+    return (f"tensor {name!r} is stored as {dtype}, not a floating-point type; the checkpoint is damaged "
+            "or is not a model of this kind.")
 
 
 def _get_or_none(tree: dict, path: tuple):
@@ -115,28 +146,20 @@ def convert_checkpoint(
     Returns (config, dtype written). A GGUF file's tokenizer is rebuilt from its metadata
     first, so an unsupported tokenizer stops the conversion before any weight is read.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise ConversionError(f"{out_dir} already exists; pass --force to replace it.")
-    tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
-    raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        written = staging / "model"
-        save_checkpoint(model, raw_config, written)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    refuse_overlap(hf_dir, out_dir)
+    if dtype is not None:
+        dtype = float_dtype(dtype)
+    with terminate_raises(), StagedOutput(out_dir, force=force, what="conversion") as staged:
+        tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
+        raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
+        save_checkpoint(model, raw_config, staged.path)
         for name in SIDE_FILES:
-            if (Path(hf_dir) / name).is_file():
-                shutil.copy2(Path(hf_dir) / name, written / name)
+            if (hf_dir / name).is_file():
+                shutil.copy2(hf_dir / name, staged.path / name)
         for name, text in tokenizer_files.items():
-            (written / name).write_text(text)
-        if out_dir.is_symlink():  # the link is replaced; the folder it points to is left alone
-            out_dir.unlink()
-        elif out_dir.exists():
-            shutil.rmtree(out_dir)
-        written.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            (staged.path / name).write_text(text)
+        staged.commit()
     return model.cfg, model.dtype
 
 

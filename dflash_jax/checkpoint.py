@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -49,9 +50,45 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / FORMAT_FILE).is_file()
 
 
+def check_checkpoint_folder(path: str | Path) -> None:
+    """A converted (orbax) folder's dflash_jax.json is readable and names a kind, a format and a
+    float dtype, or ValueError; a HF folder or .gguf file (no dflash_jax.json) passes. For
+    `load_checkpoint` to call first: otherwise a damaged file fails deep inside the loader."""
+    meta_path = Path(path) / FORMAT_FILE
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{meta_path} is not valid JSON ({err}); convert the checkpoint again.") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} is not a JSON object; convert the checkpoint again.")
+    dtype = meta.get("dtype")
+    try:
+        ok = isinstance(dtype, str) and np.issubdtype(np.dtype(_ml_dtype(dtype)), np.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{meta_path} names dtype {dtype!r}, not a float type; convert the checkpoint again.")
+    if meta.get("kind") not in ("target", "drafter"):
+        raise ValueError(f"{meta_path} names kind {meta.get('kind')!r}, not target or drafter; convert the checkpoint again.")
+    if not (Path(path) / PARAMS_DIR).is_dir():
+        raise ValueError(f"{path} has no params/ folder (an incomplete copy?); convert the checkpoint again.")
+
+
+def _ml_dtype(name: str):
+    """numpy knows no bfloat16 by name; ml_dtypes (a jax dependency) does."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return name
+
+
 def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
     """A model from an orbax folder written by `save_checkpoint`, cast to `dtype` if given."""
     path = Path(path)
+    check_checkpoint_folder(path)
     meta = json.loads((path / FORMAT_FILE).read_text())
     if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(

@@ -1,17 +1,35 @@
-"""The `dflash-jax` command line. Errors print one line and exit with status 2."""
+"""The `dflash-jax` command line.
+
+A failure the user can fix prints one line (what is wrong, what to do) and exits with status
+2: bad values, unreadable or corrupt files, an output that cannot be written, an output that
+exists. Ctrl-C exits with 130 and SIGTERM with 143, each after one line; both unwind through
+`finally`, so conversions and exports remove their staging folders. Anything else is a bug:
+one line saying so and exit 1, or the full traceback with `--debug` (or DFLASH_JAX_DEBUG=1).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from convert import cli as convert_cli
+from convert.staging import Terminated, terminate_raises
 from dflash_jax import cli_generate, demo
+from dflash_jax.cli_errors import from_checkpoint_reader, first_line, silence_stderr, user_error_message
 from dflash_jax.train import cli as train_cli
+
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of any failure (also: DFLASH_JAX_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     convert_cli.add_parser(subparsers)
     train_cli.add_parser(subparsers)
@@ -23,11 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    prefix = f"dflash-jax {args.command}"
+    debug = args.debug or os.environ.get("DFLASH_JAX_DEBUG", "") not in ("", "0")
     try:
-        args.run(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"dflash-jax {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        with terminate_raises():
+            args.run(args)
+    except KeyboardInterrupt:
+        print(f"\n{prefix}: interrupted; nothing half-written was left behind.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"{prefix}: terminated; nothing half-written was left behind.", file=sys.stderr)
+        return EXIT_TERMINATED
+    except Exception as err:  # noqa: BLE001 - sorted below into user errors and bugs
+        if debug:
+            raise
+        message = user_error_message(err)
+        if message is None:
+            print(f"{prefix}: internal error ({type(err).__name__}: {first_line(str(err))[:300]}); this is a bug, "
+                  "please report it with the output of the same command run with --debug.", file=sys.stderr)
+            return EXIT_BUG
+        print(f"{prefix}: error: {message}", file=sys.stderr)
+        if argv is None and from_checkpoint_reader(err):
+            silence_stderr()
+        return EXIT_USER_ERROR
     return 0
 
 

@@ -48,21 +48,25 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import dflash_jax
+    from dflash_jax.cli_errors import quiet_checkpoint_reads
     from dflash_jax.tokenizer import load_tokenizer
 
     if (args.block_size is not None or args.draft_block_size is not None) and args.drafter is None:
         raise ValueError("--block-size and --draft-block-size set the draft blocks; they need --drafter.")
+    check_args(args)
     tokenizer = load_tokenizer(args.target)
     if args.prompt and tokenizer is None:
         raise ValueError(f"{args.target} has no tokenizer.json to tokenize text with; pass --prompt-ids instead.")
     prompts = _text_prompts(tokenizer, args.prompt, args.chat) if args.prompt else _id_prompts(args.prompt_ids)
-    target = dflash_jax.load_target(args.target, dtype=args.dtype)
+    with quiet_checkpoint_reads():
+        target = dflash_jax.load_target(args.target, dtype=args.dtype)
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_token_ids=tokenizer.stop_token_ids if tokenizer else None, kernels=args.kernels,
     )
     if args.drafter:
-        drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
+        with quiet_checkpoint_reads():
+            drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
         decode = functools.partial(dflash_jax.generate, target, drafter, prompts, block_size=args.block_size,
                                    draft_block_size=args.draft_block_size, **sampling)
     else:
@@ -74,6 +78,24 @@ def run(args: argparse.Namespace) -> None:
         print(tokenizer.decode(token_ids) if tokenizer else ",".join(map(str, token_ids)))
         print()
     print(stats_line(result, compiled_in=not args.warmup))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Values and model folders refused before anything is loaded (generate checks them again)."""
+    from dflash_jax.checkpoint import check_checkpoint_folder
+    from dflash_jax.sampling import validate_sampling_params
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
+    for flag, value in (("--block-size", args.block_size), ("--draft-block-size", args.draft_block_size)):
+        if value is not None and value < 2:
+            raise ValueError(f"{flag} must be at least 2 (the last token and one draft), got {value}.")
+    validate_sampling_params(args.temperature, args.top_k, args.top_p)
+    for path in (args.target, args.drafter):
+        if path is not None:
+            if not path.exists():
+                raise FileNotFoundError(f"{path} does not exist; give a converted or a HF model folder.")
+            check_checkpoint_folder(path)
 
 
 def stats_line(result, *, compiled_in: bool) -> str:

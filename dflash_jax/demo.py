@@ -69,9 +69,14 @@ def run(args: argparse.Namespace) -> None:
     import jax
 
     import dflash_jax
+    from dflash_jax.cli_errors import quiet_checkpoint_reads
     from dflash_jax.generate import GenerateResult
     from dflash_jax.tokenizer import ChatTokenizer
 
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be at least 2 (the last token and one draft), got {args.block_size}.")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
     if not args.drafter.exists():
         if args.drafter == DEFAULT_DRAFTER:
             raise FileNotFoundError(
@@ -79,15 +84,19 @@ def run(args: argparse.Namespace) -> None:
                 "--drafter DIR or train one with `dflash-jax train-drafter`."
             )
         raise FileNotFoundError(f"{args.drafter} does not exist; pass --drafter a DFlash drafter folder.")
+    from dflash_jax.checkpoint import check_checkpoint_folder
+
+    check_checkpoint_folder(args.drafter)
     target_dir = smollm2_target(args.cache_dir.expanduser())
-    target = dflash_jax.load_target(target_dir, dtype=args.dtype)
-    drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
+    with quiet_checkpoint_reads():
+        target = dflash_jax.load_target(target_dir, dtype=args.dtype)
+        drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
     tokenizer = ChatTokenizer(target_dir)
     prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
     block_size = drafter.cfg.block_size
     if jax.default_backend() == "cpu":
         block_size = min(block_size, 8 if args.dtype == "bfloat16" else 4)
-    block_size = args.block_size or block_size
+    block_size = block_size if args.block_size is None else args.block_size
     options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids, kernels=args.kernels)
     batches = [prompts] if args.batch else [[p] for p in prompts]
 

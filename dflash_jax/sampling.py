@@ -44,17 +44,38 @@ ACCEPT_STREAM = 2
 
 
 def validate_sampling_params(temperature, top_k, top_p) -> None:
-    """Raise ValueError unless temperature >= 0, top_k >= 0 (integer), 0 < top_p <= 1.
+    """Raise ValueError unless temperature is finite and >= 0, top_k an integer >= 0 and
+    0 < top_p <= 1 (scalars or per-request arrays; bools are refused, not read as 0 or 1).
 
     For the engine to call once per request; the jitted functions below do not validate.
     """
-    temperature, top_k, top_p = (np.asarray(x) for x in (temperature, top_k, top_p))
-    if not np.all(temperature >= 0):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
-    if not np.issubdtype(top_k.dtype, np.integer) or np.any(top_k < 0):
+    def real(name, x, hint):
+        try:
+            array = np.asarray(x)
+        except ValueError:
+            array = np.asarray(None)
+        if array.dtype.kind not in "iuf" or _holds_bool(x):
+            raise ValueError(f"{name} must be a number{hint}, got {x!r}.")
+        return array
+
+    temperature = real("temperature", temperature, " >= 0 (0 = greedy)")
+    top_p = real("top_p", top_p, " in (0, 1] (1.0 = off)")
+    if not np.all(np.isfinite(temperature) & (temperature >= 0)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}.")
+    top_k_array = real("top_k", top_k, " (an integer >= 0, 0 = off)")
+    if top_k_array.dtype.kind not in "iu" or np.any(top_k_array < 0):
         raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k}.")
     if not np.all((top_p > 0) & (top_p <= 1)):
         raise ValueError(f"top_p must lie in (0, 1] (1.0 = off), got {top_p}.")
+
+
+def _holds_bool(x) -> bool:
+    """True and False convert to 1 and 0 silently; a bool among the values is a mistake."""
+    if isinstance(x, (bool, np.bool_)):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_bool(v) for v in x)
+    return False
 
 
 def _per_row(param, logits) -> jax.Array:
@@ -162,6 +183,21 @@ def _exclusive_cumsum(x) -> jax.Array:
     return jnp.cumsum(x, axis=-1) - x
 
 
+def scaled_logits(logits, temperature) -> jax.Array:
+    """(logits - row max) / temperature in float32: the softmax's scores at any temperature > 0.
+
+    Dividing first overflows: at temperature 1e-12 the logits become +-inf and the softmax
+    NaN (inf - inf). After the shift every score is <= 0, so a tiny temperature only sends
+    the others to -inf and the maximum keeps exp(0) = 1: the distribution tends to the argmax,
+    as it should. Temperatures above 0 but below float32's tiny (flushed to 0 on some
+    backends) are clamped to it, so they never divide by zero.
+    """
+    logits = jnp.asarray(logits).astype(jnp.float32)
+    temperature = jnp.maximum(jnp.asarray(temperature, jnp.float32), jnp.finfo(jnp.float32).tiny)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    return shifted / temperature[..., None]
+
+
 def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     """The target's (or drafter's) sampling distribution, float32, same shape as `logits`.
 
@@ -175,7 +211,7 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     vocab = logits.shape[-1]
     temperature, top_k, top_p = (_per_row(x, logits) for x in (temperature, top_k, top_p))
     greedy = temperature == 0
-    scores = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[..., None]
+    scores = scaled_logits(logits, jnp.where(greedy, 1.0, temperature))
     probs = jax.nn.softmax(scores, axis=-1)
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1) & ~greedy

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ def add_parser(subparsers) -> None:
     data.add_argument("--top-k", type=int, default=0)
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--force", action="store_true", help="replace OUT if it exists")
     data.set_defaults(run=run_build_data)
 
     train = subparsers.add_parser(
@@ -70,14 +73,57 @@ def add_parser(subparsers) -> None:
     train.set_defaults(run=run_train)
 
 
+def at_least(flag: str, value, minimum) -> None:
+    """ValueError naming the flag unless `value` (None: not given) is >= minimum."""
+    if value is not None and not value >= minimum:
+        raise ValueError(f"{flag} must be at least {minimum}, got {value}.")
+
+
+def finite(flag: str, value, *, positive: bool = False) -> None:
+    """ValueError naming the flag unless `value` (None: not given) is finite and >= 0 (> 0 if positive)."""
+    if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value}.")
+
+
+def parse_temperatures(text: str) -> list[float]:
+    try:
+        temperatures = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--temperatures takes comma-separated numbers like 0,0.7; got {text!r}.") from None
+    for t in temperatures:
+        finite("each of --temperatures", t)
+    return temperatures
+
+
 def run_build_data(args: argparse.Namespace) -> None:
+    from convert.staging import StagedOutput
+    from dflash_jax.checkpoint import check_checkpoint_folder
+
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--free", args.free), ("--self-instruct", args.self_instruct)):
+        at_least(flag, value, 1)
+    at_least("--top-k", args.top_k, 0)
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}.")
+    temperatures = parse_temperatures(args.temperatures)
+    check_checkpoint_folder(args.target)
+    # Made now, so an output that exists or cannot be written is refused before any generation.
+    staged = StagedOutput(args.out, force=args.force, what="training set")
+    with staged:
+        _build_data(args, staged.path, temperatures)
+        staged.commit()
+    print(f"wrote {args.out}")
+
+
+def _build_data(args: argparse.Namespace, path: Path, temperatures: list[float]) -> None:
     from dflash_jax.loading import load_target
-    from dflash_jax.train.build_data import build_drafter_data
+    from dflash_jax.cli_errors import quiet_checkpoint_reads
     from dflash_jax.tokenizer import ChatTokenizer
+    from dflash_jax.train.build_data import build_drafter_data
     from dflash_jax.train.prompts import jsonl_prompts, shakespeare_prompts
 
-    target = load_target(args.target)
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    with quiet_checkpoint_reads():
+        target = load_target(args.target)
     stop_token_ids = None
     if args.free is not None:
         prompts = np.random.default_rng(args.seed).integers(0, target.cfg.vocab_size, (args.free, 1)).tolist()
@@ -98,50 +144,57 @@ def run_build_data(args: argparse.Namespace) -> None:
         prompts = [tokenizer.encode(p) if tokenizer and not isinstance(p[0], int) else p for p in raw if p]
         stop_token_ids = tokenizer.stop_token_ids if tokenizer else None
         source = str(args.prompts or f"shakespeare passages ({args.shakespeare.name})")
-    path = build_drafter_data(
-        target, prompts, args.out, max_new_tokens=args.max_new_tokens, temperatures=temperatures,
+    build_drafter_data(
+        target, prompts, path, max_new_tokens=args.max_new_tokens, temperatures=temperatures,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids,
         meta={"source": source, "target": str(args.target)},
     )
-    print(f"wrote {path}")
 
 
 def run_train(args: argparse.Namespace) -> None:
     from convert.export_hf import export_hf
     from dflash_jax.loading import load_drafter, load_target
+    from dflash_jax.cli_errors import quiet_checkpoint_reads
     from dflash_jax.config import parse_drafter_config, to_hf_config
     from dflash_jax.models import Drafter
+    from dflash_jax.checkpoint import check_checkpoint_folder
     from dflash_jax.train.data import DrafterDataset
     from dflash_jax.train.init import default_mask_token_id, new_drafter_config
-    from dflash_jax.train.model_card import write_model_card
+    from dflash_jax.train.model_card import model_card_text
     from dflash_jax.train.step import Hyperparams
     from dflash_jax.train.trainer import train_drafter
     from flax import nnx
 
+    check_train_args(args)
+    layer_ids = parse_layer_ids(args.target_layer_ids)
     export_dir = args.out / "drafter"
     if export_dir.exists():
         raise ValueError(f"{export_dir} exists: this run has finished; choose another OUT or remove it.")
-    target = load_target(args.target)
+    check_writable_folder(args.out)
+    for path in (args.target, args.drafter):
+        if path is not None:
+            check_checkpoint_folder(path)
     dataset = DrafterDataset(args.data)
+    with quiet_checkpoint_reads():
+        target = load_target(args.target)
     config_path = args.out / "drafter_config.json"
     if args.drafter:
-        drafter = load_drafter(args.drafter, dtype="float32")
+        with quiet_checkpoint_reads():
+            drafter = load_drafter(args.drafter, dtype="float32")
     elif config_path.is_file():  # resuming: the saved config wins over the shape flags
         drafter = Drafter(parse_drafter_config(json.loads(config_path.read_text())), rngs=nnx.Rngs(args.seed))
     else:
         mask = args.mask_token_id
         if mask is None:
             mask = default_mask_token_id(args.target, target.cfg.vocab_size)
-        ids = [int(i) for i in args.target_layer_ids.split(",")] if args.target_layer_ids else None
         cfg = new_drafter_config(
             target.cfg, mask_token_id=mask, num_layers=args.num_layers, block_size=args.block_size,
-            intermediate_size=args.intermediate_size, target_layer_ids=ids,
+            intermediate_size=args.intermediate_size, target_layer_ids=layer_ids,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed))
-    args.out.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(json.dumps(to_hf_config(drafter.cfg), indent=2))
+    write_text_atomically(config_path, json.dumps(to_hf_config(drafter.cfg), indent=2))
 
-    steps = args.steps or max(1, int(round(args.epochs * dataset.steps_per_epoch(args.batch_size))))
+    steps = args.steps if args.steps is not None else max(1, int(round(args.epochs * dataset.steps_per_epoch(args.batch_size))))
     hp = Hyperparams(
         total_steps=steps, learning_rate=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, max_anchors=args.max_anchors,
@@ -152,8 +205,58 @@ def run_train(args: argparse.Namespace) -> None:
         target, drafter, dataset, hp, args.out, batch_size=args.batch_size, max_length=args.max_length,
         checkpoint_every=args.checkpoint_every,
     )
-    export_hf(result.drafter, export_dir, dtype="bfloat16")
-    write_model_card(export_dir, result, hp, dataset.meta, target=str(args.target),
-                     data=", ".join(str(d) for d in args.data),
-                     batch_size=args.batch_size, max_length=args.max_length)
+    card = model_card_text(result, hp, dataset.meta, target=str(args.target),
+                           data=", ".join(str(d) for d in args.data),
+                           batch_size=args.batch_size, max_length=args.max_length)
+    export_hf(result.drafter, export_dir, dtype="bfloat16", extra_files={"README.md": card})
     print(f"wrote drafter ({steps} steps, last loss {result.losses[-1] if result.losses else float('nan'):.4f}) to {export_dir}")
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """The numeric flags of train-drafter, before anything is loaded (0 is not a default)."""
+    for flag, value, minimum in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                                 ("--max-length", args.max_length, 2), ("--max-anchors", args.max_anchors, 1),
+                                 ("--checkpoint-every", args.checkpoint_every, 1), ("--num-layers", args.num_layers, 1),
+                                 ("--block-size", args.block_size, 2),
+                                 ("--intermediate-size", args.intermediate_size, 1),
+                                 ("--mask-token-id", args.mask_token_id, 0)):
+        at_least(flag, value, minimum)
+    for flag, value in (("--epochs", args.epochs), ("--lr", args.lr), ("--grad-clip", args.grad_clip),
+                        ("--gamma", args.gamma)):
+        finite(flag, value, positive=True)
+    finite("--weight-decay", args.weight_decay)
+    if not (math.isfinite(args.warmup_ratio) and 0 <= args.warmup_ratio < 1):
+        raise ValueError(f"--warmup-ratio must lie in [0, 1), got {args.warmup_ratio}.")
+    if not (math.isfinite(args.soft_labels) and 0 <= args.soft_labels <= 1):
+        raise ValueError(f"--soft-labels must lie in [0, 1], got {args.soft_labels}.")
+
+
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--target-layer-ids takes comma-separated integers like 1,3,5; got {text!r}.") from None
+
+
+def check_writable_folder(folder: Path) -> None:
+    """Make `folder` and write a probe file in it: an output location that cannot be written
+    is refused before the target is loaded or a step is run (OSError, named by the CLI)."""
+    import tempfile
+
+    from convert.staging import make_folder
+
+    make_folder(folder)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test."):
+        pass
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write beside `path`, then rename over it: a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

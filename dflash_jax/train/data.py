@@ -14,6 +14,7 @@ batch and a resumed run continues exactly where it stopped.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -83,16 +84,24 @@ def _load_part(path: Path) -> dict[str, Any]:
     """One saved training set as arrays, checked."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; build it with `dflash-jax build-drafter-data`.")
-    with np.load(path) as data:
-        missing = {"token_ids", "loss_mask", "offsets"} - set(data.files)
-        if missing:
-            raise ValueError(f"{path} lacks {sorted(missing)}; it is not a drafter training set.")
-        part = {
-            "token_ids": data["token_ids"].astype(np.int32),
-            "loss_mask": data["loss_mask"].astype(bool),
-            "offsets": data["offsets"].astype(np.int64),
-            "meta": json.loads(str(data["meta"])) if "meta" in data.files else {},
-        }
+    try:
+        with np.load(path) as data:
+            missing = {"token_ids", "loss_mask", "offsets"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path} lacks {sorted(missing)}; it is not a drafter training set.")
+            part = {
+                "token_ids": data["token_ids"].astype(np.int32),
+                "loss_mask": data["loss_mask"].astype(bool),
+                "offsets": data["offsets"].astype(np.int64),
+                "meta": json.loads(str(data["meta"])) if "meta" in data.files else {},
+            }
+    except (OSError, EOFError, zipfile.BadZipFile, ValueError, AttributeError) as err:
+        if isinstance(err, ValueError) and str(err).startswith(str(path)):
+            raise
+        raise ValueError(
+            f"{path} is not a readable drafter training set ({type(err).__name__}); build it again with "
+            "`dflash-jax build-drafter-data`."
+        ) from err
     if len(part["offsets"]) < 2:
         raise ValueError(f"{path} holds no sequences.")
     return part

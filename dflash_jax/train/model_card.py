@@ -10,6 +10,13 @@ from typing import Any
 
 def write_model_card(export_dir: str | Path, result, hp, data_meta: dict[str, Any], **run: Any) -> Path:
     """Write `export_dir/README.md` from the run's settings, data provenance and final metrics."""
+    path = Path(export_dir) / "README.md"
+    path.write_text(model_card_text(result, hp, data_meta, **run))
+    return path
+
+
+def model_card_text(result, hp, data_meta: dict[str, Any], **run: Any) -> str:
+    """The README.md of `write_model_card`, as text (the train CLI writes it with the export)."""
     cfg = result.drafter.cfg
     accuracy = " ".join(f"{a:.3f}" for a in result.accuracy)
     text = f"""---
@@ -38,9 +45,7 @@ It has no embedding or LM head of its own: load it next to its target.
 - final training loss {result.losses[-1] if result.losses else float('nan'):.4f}; per-slot accuracy
   (slots 1..{cfg.block_size - 1}) on the last batch: {accuracy}
 """
-    path = Path(export_dir) / "README.md"
-    path.write_text(text)
-    return path
+    return text
 
 
 def append_acceptance(export_dir: str | Path, acceptance: dict[str, float], setting: str) -> Path:

@@ -9,6 +9,8 @@ same step under `stop_gradient`: its parameters are an input, never updated.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +42,14 @@ class Hyperparams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.total_steps < 1:
+        if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, numbers.Integral) or self.total_steps < 1:
             raise ValueError(f"total_steps is {self.total_steps}; train for at least one step.")
+        for name, value, low in (("learning_rate", self.learning_rate, "> 0"), ("grad_clip", self.grad_clip, "> 0"),
+                                 ("weight_decay", self.weight_decay, ">= 0"), ("gamma", self.gamma, "> 0")):
+            if value is None and name == "gamma":
+                continue
+            if not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
+                raise ValueError(f"{name} is {value}; it must be a finite number {low}.")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio {self.warmup_ratio} must lie in [0, 1).")
         if not 0 <= self.soft_label_weight <= 1:

@@ -8,6 +8,7 @@ and because batches and anchors are keyed by step the resumed run matches an unb
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -79,6 +80,9 @@ def train_drafter(
             token_ids, loss_mask = dataset.batch(step, batch_size, max_length, hp.seed)
             params, opt_state, metrics = step_fn(params, opt_state, target_state, token_ids, loss_mask, step)
             losses.append(float(metrics["loss"]))
+            if not math.isfinite(losses[-1]):
+                raise NonFiniteLossError(_diverged(f"the training loss is {losses[-1]} at step {step + 1}",
+                                                   manager.latest_step() or 0))
             accuracy = np.asarray(metrics["accuracy"])
             bar.set_postfix_str(
                 f"loss {losses[-1]:.3f} lr {float(metrics['learning_rate']):.2e} "
@@ -87,6 +91,9 @@ def train_drafter(
             done = step + 1
             out_of_time = deadline is not None and time.monotonic() > deadline
             if done % checkpoint_every == 0 or done == hp.total_steps or out_of_time:
+                if not _all_finite(params):  # a step can leave NaN weights behind a finite loss
+                    raise NonFiniteLossError(_diverged(f"the drafter's weights are not finite after step {done}",
+                                                       manager.latest_step() or 0))
                 manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
             if out_of_time:
                 break
@@ -95,6 +102,20 @@ def train_drafter(
         manager.close()
     trained = model_from_params(cfg, jnp.float32, params)
     return TrainResult(trained, losses, accuracy, done)
+
+
+class NonFiniteLossError(ValueError):
+    """Training diverged (NaN or inf); nothing of the diverged steps is saved or exported."""
+
+
+def _diverged(what: str, last_saved: int) -> str:
+    kept = f"checkpoints up to step {last_saved} are kept" if last_saved else "no checkpoint was written"
+    return (f"{what}; training stopped and nothing was exported ({kept}). Lower --lr or --grad-clip, "
+            "or check the training data.")
+
+
+def _all_finite(params) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
 
 def _cast(model, dtype):
