@@ -204,8 +204,9 @@ def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
 def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig) -> tuple[DecodeState, Committed]:
     """Target forward, verification, commit, next drafts: one cycle over `batch`.
 
-    `models` is (target,) or (target, drafter). Rows whose `remaining_R` is 0 commit nothing
-    and leave their slot's anchor alone; padding rows (slot S) write no state at all."""
+    `models` is (target,) or (target, drafter). Rows whose `remaining_R` is 0 commit nothing;
+    a verifying one leaves its slot's anchor alone, a prefill chunk makes its next prompt
+    token the anchor. Padding rows (slot S) write no state at all."""
     target = models[0]
     n = cfg.num_drafts
     num_rows, num_query = batch.verify_rows_RQ.shape
@@ -229,10 +230,13 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             )
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RX)
     samples_R = batch.remaining_R > 0
-    next_anchor_R = tokens_RQ[rows_R, accepted_R]
+    # A prefill chunk that commits nothing is followed by its next prompt token, the anchor
+    # the drafter conditions on (a request resumed after preemption continues from its last
+    # token, drafted and verified as if it had never stopped).
+    next_anchor_R = jnp.where(samples_R, tokens_RQ[rows_R, accepted_R], batch.next_prefill_tokens_R)
     next_anchor_pos_R = batch.anchor_pos_R + accepted_R + 1
     num_slots = state.anchor_S.shape[0]
-    anchor_slots_R = jnp.where(samples_R, batch.slots_R, num_slots)  # out of range: dropped
+    anchor_slots_R = jnp.where(samples_R | ~batch.verifying_R, batch.slots_R, num_slots)  # out of range: dropped
     state = dataclasses.replace(
         state,
         target_cache=target_cache,

@@ -33,8 +33,8 @@ from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
-    RequestOutput, RequestStats, SamplingParams, check_prompt, check_request, resolve_block_size,
-    resolve_draft_block_size, stop_id_array,
+    RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids,
+    resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
 from dflash_jax.step_inputs import StepInputs, unpack
@@ -86,6 +86,13 @@ class Engine:
         self.draft_block_size = draft_block_size or 1  # the drafter's block (generate's draft_block_size)
         if num_pages is not None and kv_cache_memory_bytes is not None:
             raise ValueError("give num_pages or kv_cache_memory_bytes, not both.")
+        page_size = check_count("page_size", page_size)
+        if num_pages is not None:
+            num_pages = check_count("num_pages", num_pages, 2)
+        if kv_cache_memory_bytes is not None:
+            kv_cache_memory_bytes = check_count("kv_cache_memory_bytes", kv_cache_memory_bytes)
+        max_num_reqs = check_count("max_num_reqs", max_num_reqs)
+        max_num_tokens = check_count("max_num_tokens", max_num_tokens)
         self.num_drafts = 0 if drafter is None else block_size - 1
         limit = target.cfg.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:
@@ -107,7 +114,8 @@ class Engine:
         # draft query rows after it.
         self.pages_per_req = -(-(self.max_model_len + lookahead) // page_size)
         self._groups = DraftCacheGroups.for_drafter(drafter.cfg) if drafter else None
-        num_pages = num_pages or self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
+        if num_pages is None:
+            num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
         windows = self._groups.windows[1:] if self._groups else ()
         # Windowed groups hold at most a window plus one step per request: a fixed pool.
         window_allocators = [
@@ -143,12 +151,19 @@ class Engine:
     # ---- public API ---------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Refuses (ValueError) what could never run."""
-        params = sampling_params or SamplingParams()
+        """Queue a request; returns its id. Refuses (ValueError, TypeError) what could never
+        run, before it takes a slot or a page: nothing about it can reach another request."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         prompt = check_prompt(prompt_ids, self._target.cfg.vocab_size, "prompt_ids")
         check_request(prompt.size, params.max_new_tokens, self.max_model_len, temperature=params.temperature,
                       top_k=params.top_k, top_p=params.top_p, seed=params.seed)
-        stop_id_array(params.stop_token_ids, MAX_STOP_IDS)  # refuses too many
+        stops = check_stop_token_ids(params.stop_token_ids, self._target.cfg.vocab_size)
+        stop_id_array(stops, MAX_STOP_IDS)  # refuses too many
+        params = dataclasses.replace(params, max_new_tokens=int(params.max_new_tokens), top_k=int(params.top_k),
+                                     seed=int(params.seed), temperature=float(params.temperature),
+                                     top_p=float(params.top_p), stop_token_ids=tuple(stops))
         needed = self.scheduler.pages_needed(prompt.size + params.max_new_tokens + self.draft_block_size)
         if needed > self.scheduler.allocator.num_pages - 1:
             raise ValueError(
@@ -167,6 +182,12 @@ class Engine:
         if request is None or request.status is Status.FINISHED:
             return
         self.scheduler.finish(request)
+
+    def release(self, request_id: int) -> None:
+        """Forget a request (aborting it if it still runs): its tokens and stats are gone, and
+        a long-running server's memory stays bounded."""
+        self.abort(request_id)
+        self._requests.pop(request_id, None)
 
     @property
     def async_scheduling(self) -> bool:
@@ -263,22 +284,33 @@ class Engine:
         for r, w in enumerate(launched.work):
             if not self.scheduler.is_current(w):
                 continue
-            request, count = w.request, int(count_R[r])
-            self.scheduler.committed(w, count if w.verifying else 0)
-            if not w.samples:
-                continue
-            new = tokens_RQ[r, :count].tolist()
-            request.tokens += new
-            stats = request.stats
-            stats.num_generated = request.num_generated
-            stats.first_token_s = stats.first_token_s or time.perf_counter()
-            if w.verifying:
-                stats.accepted_lengths.append(count)
-            reason = "stop" if stopped_R[r] else "length" if request.num_generated >= request.params.max_new_tokens else None
-            if reason is not None:
-                self.scheduler.finish(request)
-            outputs.append(RequestOutput(request.request_id, new, reason is not None, reason))
+            try:
+                output = self._commit_one(w, tokens_RQ[r], int(count_R[r]), bool(stopped_R[r]))
+            except Exception as error:  # one request's failure ends that request, not the batch
+                self.scheduler.finish(w.request)
+                output = RequestOutput(w.request.request_id, [], True, "error")
+                w.request.stats.error = f"{type(error).__name__}: {error}"
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _commit_one(self, w: Work, tokens_Q, count: int, stopped: bool) -> RequestOutput | None:
+        """Apply one request's share of a committed step; its output, if it got tokens."""
+        request = w.request
+        self.scheduler.committed(w, count if w.verifying else 0)
+        if not w.samples:
+            return None
+        new = tokens_Q[:count].tolist()
+        request.tokens += new
+        stats = request.stats
+        stats.num_generated = request.num_generated
+        stats.first_token_s = stats.first_token_s or time.perf_counter()
+        if w.verifying:
+            stats.accepted_lengths.append(count)
+        reason = "stop" if stopped else "length" if request.num_generated >= request.params.max_new_tokens else None
+        if reason is not None:
+            self.scheduler.finish(request)
+        return RequestOutput(request.request_id, new, reason is not None, reason)
 
     # ---- device state -------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import (
-    SamplingParams, check_prompt, check_request, resolve_block_size, resolve_draft_block_size, stop_id_array,
+    SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
+    resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.steps import TargetBatch
 from pallas_kernels.common import next_pow2
@@ -110,7 +111,7 @@ def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_toke
         if max_new_tokens is None:
             raise ValueError("give max_new_tokens (or sampling_params=SamplingParams(max_new_tokens=...)).")
         return dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    stop_token_ids=tuple(stop_token_ids or ()))
+                    stop_token_ids=stop_token_ids)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
     keywords = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -124,6 +125,8 @@ def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_toke
 
 def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, page_size, kernels) -> GenerateResult:
     start = time.perf_counter()  # elapsed_s: the whole call, as its caller waits for it
+    page_size = check_count("page_size", page_size)
+    params["stop_token_ids"] = tuple(check_stop_token_ids(params["stop_token_ids"], target.cfg.vocab_size))
     if not isinstance(kernels, Kernels):
         raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
     if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
@@ -155,7 +158,8 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
         top_p_R=np.full((num_reqs,), params["top_p"], np.float32),
         seeds_R=np.broadcast_to(np.asarray(params["seed"]), (num_reqs,)).astype(np.int32),
     )
-    stop_ids_RX = np.broadcast_to(stop_id_array(params["stop_token_ids"]), (num_reqs, max(1, len(set(params["stop_token_ids"])))))
+    stop_ids_X = stop_id_array(params["stop_token_ids"])
+    stop_ids_RX = np.broadcast_to(stop_ids_X, (num_reqs, stop_ids_X.size))
     treedefs, leaves = flatten_models((target,) if drafter is None else (target, drafter))
     # Host arrays go to the program as numpy: jit transfers them with its arguments, no
     # eager op per array.

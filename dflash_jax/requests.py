@@ -39,7 +39,7 @@ class RequestOutput:
     request_id: int
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length" or "error"
 
 
 @dataclasses.dataclass
@@ -52,6 +52,7 @@ class RequestStats:
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    error: str | None = None  # why the request ended with finish reason "error"
 
     @property
     def tokens_per_s(self) -> float:

@@ -54,6 +54,14 @@ class Request:
         return len(self.tokens) - self.prompt_len
 
     @property
+    def prefill_end(self) -> int:
+        """Positions a prefill computes: the whole prompt, or for a request recomputed after
+        preemption everything but its last token, which the next step verifies with drafts
+        as it would have had the request not stopped (so sampled tokens do not depend on
+        preemption)."""
+        return len(self.tokens) - (1 if self.num_generated else 0)
+
+    @property
     def last_pos(self) -> int:
         """The last position the request may reach (prompt + max new tokens - 1)."""
         return self.prompt_len + self.params.max_new_tokens - 1
@@ -66,8 +74,9 @@ class Work:
     request: Request
     rows: int
     verifying: bool
-    samples: bool  # the step gives the request a token (verify, or the last prefill chunk)
+    samples: bool  # the step gives the request a token (verify, or the last chunk of a fresh prefill)
     epoch: int  # the request's epoch at launch
+    ends_prefill: bool = False  # the request decodes after this chunk
 
 
 class Scheduler:
@@ -111,21 +120,22 @@ class Scheduler:
                 continue  # preempted while scheduling an earlier request
             flight = request.in_flight
             if request.decoding:
-                if flight is not None and request.num_generated + 1 >= request.params.max_new_tokens:
+                if flight is not None and flight.samples and request.num_generated + 1 >= request.params.max_new_tokens:
                     ending.append(request)  # the step in flight gives its last token
                     continue
                 rows = 1 + self.num_drafts
                 # The anchor is at most the step in flight's verify rows past num_computed.
                 end = request.num_computed + (rows if flight is not None and flight.verifying else 0) + rows
             else:
-                rows = min(len(request.tokens) - request.num_computed, budget)
+                rows = min(request.prefill_end - request.num_computed, budget)
                 end = request.num_computed + rows
             if not 0 < rows <= budget:
                 continue
             if not self._reserve(request, end + self.lookahead, ending + [w.request for w in work]):
                 continue
             samples = request.decoding or end == len(request.tokens)
-            work.append(Work(request, rows, request.decoding, samples, request.epoch))
+            work.append(Work(request, rows, request.decoding, samples, request.epoch,
+                             ends_prefill=not request.decoding and end == request.prefill_end))
             budget -= rows
         return work
 
@@ -135,7 +145,7 @@ class Scheduler:
             w.request.in_flight = w
             if not w.verifying:
                 w.request.num_computed += w.rows
-                w.request.decoding = w.samples
+                w.request.decoding = w.ends_prefill
 
     def is_current(self, w: Work) -> bool:
         """Whether a launched share still counts: its request was neither finished nor

@@ -294,3 +294,72 @@ def test_more_refusals(models):
         Engine(target, drafters["full"], max_model_len=1000)
     with pytest.raises(ValueError, match="seed must be an integer"):
         dflash_jax.generate(target, drafters["full"], [[1]], max_new_tokens=2, seed=2**40)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(stop_token_ids=5), "stop_token_ids must be a list"),
+    (SamplingParams(stop_token_ids=[2.0]), "not an integer"),
+    (SamplingParams(max_new_tokens=3.5), "max_new_tokens must be an integer"),
+    (SamplingParams(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (SamplingParams(temperature=float("inf")), "temperature"),
+    (SamplingParams(seed=1.5), "seed must be an integer"),
+    (SamplingParams(stop_token_ids=list(range(20))), "at most 16 distinct stop token ids"),
+])
+def test_malformed_requests_are_refused_and_others_keep_their_tokens(models, params, message, async_scheduling):
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, async_scheduling=async_scheduling)
+    good = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(PROMPTS[0], params)
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        engine.add_request(PROMPTS[0], {"max_new_tokens": 4})
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(good) == reference[1]
+
+
+def test_a_failing_request_ends_alone(models, monkeypatch):
+    """A request whose commit raises ends with finish reason "error"; the batch's others keep
+    exactly their tokens."""
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:3]]
+    committed = engine.scheduler.committed
+
+    def flaky(w, num_verified):
+        if w.request.request_id == ids[1] and w.request.num_generated >= 3:
+            raise RuntimeError("injected")
+        committed(w, num_verified)
+
+    monkeypatch.setattr(engine.scheduler, "committed", flaky)
+    reasons = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {ids[0]: "length", ids[1]: "error", ids[2]: "length"}
+    assert "injected" in engine.stats(ids[1]).error
+    assert [engine.output(ids[0]), engine.output(ids[2])] == [reference[0], reference[2]]
+    engine.release(ids[1])
+    with pytest.raises(ValueError, match="no request with id"):
+        engine.output(ids[1])
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling):
+    """Sampled requests (temperature 0.8, fixed seeds) in a cache tight enough to preempt
+    them produce the tokens they produce in an ample one."""
+    target, drafters, _ = models
+    outputs, preemptions = [], []
+    for num_pages in (None, 16):
+        engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, page_size=4,
+                        num_pages=num_pages, async_scheduling=async_scheduling)
+        params = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=s) for s in (1, 2, 3, 4)]
+        ids = [engine.add_request(p[:12], q) for p, q in zip(PROMPTS[:4], params)]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append([engine.output(i) for i in ids])
+        preemptions.append(sum(engine.stats(i).num_preemptions for i in ids))
+    assert preemptions[0] == 0 and preemptions[1] > 0
+    assert outputs[1] == outputs[0]
