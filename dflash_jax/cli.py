@@ -7,6 +7,7 @@ import sys
 
 from convert import cli as convert_cli
 from dflash_jax import cli_generate, demo
+from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
 
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_parser(subparsers)
     cli_generate.add_parser(subparsers)
     demo.add_parser(subparsers)
+    serve_cli.add_parser(subparsers)
     return parser
 
 
