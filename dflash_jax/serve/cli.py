@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> None:
     _log_to_stderr()
     engine, tokenizer, info = load_engine(args)
     sock = bind(args.host, args.port)
+    kind = f"DFlash, block size {info.block_size}" if info.block_size > 1 else "autoregressive"
+    log.info("loaded %s (%s, max length %d)", info.name, kind, info.max_model_len)
     try:
         if not args.no_precompile:
             start = time.perf_counter()
@@ -140,8 +142,6 @@ def load_engine(args):
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
         block_size=(block_size or drafter.cfg.block_size) if drafter is not None else 1,
     )
-    kind = f"DFlash, block size {info.block_size}" if drafter is not None else "autoregressive"
-    log.info("loaded %s (%s, %s, max length %d)", info.name, kind, target.dtype, info.max_model_len)
     return engine, tokenizer, info
 
 
