@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from dflash_jax.engine import SamplingParams
@@ -124,8 +125,11 @@ class _Server:
                          len(prompt_ids))
         pieces = self._pieces(handle, detokenizer)
         if request.stream:
+            # The background abort also covers a client gone before the stream's first chunk
+            # (its generator never starts); after a normal end it is a no-op.
             return StreamingResponse(answer.stream(pieces, lambda: self.loop.abort(handle)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(self.loop.abort, handle))
         return await self._whole(http, handle, answer, pieces)
 
     def _prompt_ids(self, request) -> list[int]:
