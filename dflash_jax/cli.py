@@ -18,6 +18,7 @@ from convert import cli as convert_cli
 from convert.staging import Terminated, terminate_raises
 from dflash_jax import cli_generate, demo
 from dflash_jax.cli_errors import from_checkpoint_reader, first_line, silence_stderr, user_error_message
+from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
 
 EXIT_USER_ERROR = 2
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_parser(subparsers)
     cli_generate.add_parser(subparsers)
     demo.add_parser(subparsers)
+    serve_cli.add_parser(subparsers)
     return parser
 
 

@@ -33,10 +33,12 @@ class ChatTokenizer:
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
         self.stop_token_ids = self._stop_ids(json.loads(files.get("generation_config.json", "{}")))
 
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode(self, messages: list[dict[str, str]], **template_kwargs) -> list[int]:
+        """Messages through the chat template; `template_kwargs` are more template variables
+        (a server's `chat_template_kwargs`, such as enable_thinking)."""
         if self.template is None:
             return self.encode_text("\n\n".join(m["content"] for m in messages))
-        return self.tokenizer.encode(self._render(messages), add_special_tokens=False).ids
+        return self.tokenizer.encode(self._render(messages, template_kwargs), add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text, no chat template; BOS/EOS as the tokenizer's post-processor adds them."""
@@ -47,7 +49,7 @@ class ChatTokenizer:
         stops = set(self.stop_token_ids)
         return self.tokenizer.decode([t for t in token_ids if t not in stops], skip_special_tokens=True)
 
-    def _render(self, messages) -> str:
+    def _render(self, messages, template_kwargs=None) -> str:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -55,9 +57,9 @@ class ChatTokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.template).render(
-            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()}
-        )
+        variables = {k: v or "" for k, v in self.special.items()}
+        variables.update(template_kwargs or {})
+        return env.from_string(self.template).render(messages=messages, add_generation_prompt=True, **variables)
 
     def _stop_ids(self, generation_config: dict) -> list[int]:
         """eos from tokenizer_config.json and generation_config.json (int or list)."""

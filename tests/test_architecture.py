@@ -78,7 +78,10 @@ def test_checkpoint_is_orbax_only():
 
 
 def test_library_reads_no_environment():
+    """Only the command line's entry point may take defaults from the environment."""
     for name, tree in modules().items():
+        if name == "dflash_jax.cli":
+            continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 raise AssertionError(f"{name} reads the environment (line {node.lineno}); take a parameter instead")

@@ -1,0 +1,193 @@
+"""Load test of `dflash-jax serve`: N concurrent streaming chat clients on 127.0.0.1.
+
+For each mode (DFlash, and autoregressive with --no-drafter, in the same run) it starts a
+server subprocess on a free port, waits for /health, and at each concurrency level runs a
+warm-up round (untimed: with --no-precompile it compiles what the level needs) and then
+`--rounds` requests per client. Reported per level: output tokens/s (all completion tokens
+over the level's wall time), time to first token and inter-token latency p50/p99 over
+requests (inter-token latency of a request: (last chunk - first chunk) / (tokens - 1)), and
+the mean accepted length (tokens per verify cycle, from `meta_info`). Writes JSON to --out.
+
+    python bench/serve_bench.py --out bench/results/raw/serve.json              # H200: demo pair, 1/4/16/64
+    python bench/serve_bench.py --concurrency 1,4 --rounds 2 --max-tokens 32 \\
+        --server-args "--dtype float32 --max-num-reqs 4 --max-num-tokens 32 --max-model-len 512 --no-precompile" \\
+        --out /tmp/serve-cpu.json                                                # a small CPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_jax.demo import QUESTIONS  # noqa: E402
+
+MODES = {"dflash": [], "autoregressive": ["--no-drafter"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
+    parser.add_argument("--rounds", type=int, default=4, help="timed requests per client at each level")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=Path, help="a file of prompts, one a line (default: the demo's questions)")
+    parser.add_argument("--modes", default="dflash,autoregressive", help=f"comma-separated, of {sorted(MODES)}")
+    parser.add_argument("--server-args", default="", help="more flags for `dflash-jax serve` (one string)")
+    parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds for a server to get ready")
+    parser.add_argument("--level-timeout", type=float, default=600, help="seconds one level may take")
+    args = parser.parse_args()
+    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()] if args.prompts \
+        else list(QUESTIONS)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = {"date": datetime.date.today().isoformat(), "commit": _commit(), "machine": _machine(),
+               "versions": _versions(), "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    for mode in args.modes.split(","):
+        with Server(MODES[mode] + shlex.split(args.server_args), args.startup_timeout) as server:
+            results["modes"][mode] = {"startup_s": server.startup_s, "levels": [
+                asyncio.run(run_level(server.url, prompts, c, args.rounds, args.max_tokens, args.level_timeout))
+                for c in levels]}
+        for level in results["modes"][mode]["levels"]:
+            print(f"{mode:15s} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in level.items()), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+class Server:
+    """`dflash-jax serve` in a subprocess on a free port, stopped with SIGTERM on exit."""
+
+    def __init__(self, flags: list[str], startup_timeout: float):
+        self.flags, self.startup_timeout = flags, startup_timeout
+
+    def __enter__(self):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        start = time.perf_counter()
+        self.process = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli", "serve", "--port", str(port),
+                                         *self.flags], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        while True:
+            if self.process.poll() is not None:
+                raise SystemExit(f"the server exited with code {self.process.returncode} before it was ready")
+            if time.perf_counter() - start > self.startup_timeout:
+                self.process.kill()
+                raise SystemExit(f"the server was not ready after {self.startup_timeout:.0f} s")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet: it compiles before it accepts connections
+            time.sleep(1)
+        self.startup_s = time.perf_counter() - start
+        return self
+
+    def __exit__(self, *exc):
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, rounds: int, max_tokens: int,
+                    timeout: float) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+        warm = [prompts[i % len(prompts)] for i in range(concurrency)]
+        await asyncio.gather(*(one_request(http, p, min(max_tokens, 16)) for p in warm))
+
+        async def client(c: int) -> list[dict]:
+            return [await one_request(http, prompts[(c * rounds + r) % len(prompts)], max_tokens)
+                    for r in range(rounds)]
+
+        start = time.perf_counter()
+        try:
+            per_client = await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(concurrency))), timeout)
+        except asyncio.TimeoutError:
+            raise SystemExit(f"concurrency {concurrency} took over {timeout:.0f} s; lower --rounds or --max-tokens")
+        wall = time.perf_counter() - start
+    done = [r for rs in per_client for r in rs]
+    tokens = sum(r["tokens"] for r in done)
+    cycles = sum(r["cycles"] for r in done)
+    ttft = [r["ttft_s"] for r in done]
+    itl = [r["itl_s"] for r in done if r["itl_s"] is not None]
+    return {
+        "concurrency": concurrency, "requests": len(done), "output_tokens": tokens, "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "mean_accepted_length": sum(r["accepted"] for r in done) / cycles if cycles else 0.0,
+    }
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_meta_info": True}
+    sent = time.perf_counter()
+    first = last = None
+    usage, meta = {}, {}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"the server answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise SystemExit(f"the server failed a request: {chunk['error']['message']}")
+            usage = chunk.get("usage") or usage
+            meta = chunk.get("meta_info") or meta
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+    tokens = usage.get("completion_tokens", 0)
+    cycles = meta.get("spec_verify_ct", 0)
+    return {"tokens": tokens, "ttft_s": (first or time.perf_counter()) - sent, "cycles": cycles,
+            "accepted": meta.get("spec_accept_length", 0.0) * cycles,
+            "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if q < 100 else max(values)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def _machine() -> str:
+    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    names = ("jax", "jaxlib", "flax", "fastapi", "uvicorn", "httpx")
+    return {"python": platform.python_version(), **{n: version(n) for n in names}}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""`dflash-jax serve`: an OpenAI-compatible HTTP server over the Engine (the `serve` extra)."""

@@ -1,0 +1,74 @@
+"""Generated token ids to text, piece by piece, with stop strings matched on the text.
+
+Each push decodes every id generated so far and emits what is new. Decoding the whole
+sequence, not each token alone, keeps multi-token characters and the tokenizer's spacing
+right. Two kinds of text are held back until later tokens settle them: a trailing U+FFFD
+(the first bytes of a character whose remaining bytes are still to come) and a tail that
+could be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text deltas of one request's generated ids; `stopped` once a stop string appears."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded text already handed out
+        self.text = ""  # everything handed out
+        self.stopped = False
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """The text that `new_ids` make certain (possibly empty)."""
+        if self.stopped:
+            return ""
+        self._ids.extend(new_ids)
+        full = self._decode(self._ids)
+        cut = self._find_stop(full)
+        if cut is not None:
+            self.stopped = True
+            return self._emit(full, cut)
+        end = len(full)
+        while end > self._emitted and full[end - 1] == REPLACEMENT:
+            end -= 1
+        end -= self._stop_prefix_len(full[:end])
+        return self._emit(full, end)
+
+    def flush(self) -> str:
+        """At the end of generation: everything held back (no later token can change it)."""
+        if self.stopped:
+            return ""
+        return self._emit(self._decode(self._ids), None)
+
+    def _emit(self, full: str, end: int | None) -> str:
+        end = len(full) if end is None else end
+        delta = full[self._emitted : end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        self.text += delta
+        return delta
+
+    def _find_stop(self, full: str) -> int | None:
+        """Where the earliest stop string starts in text not yet handed out, if any."""
+        if not self._stop:
+            return None
+        # A stop string may begin in held-back text just before the emitted point.
+        start = max(self._emitted - max(len(s) for s in self._stop) + 1, 0)
+        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,41 @@
+"""The server's Prometheus metrics, in a registry of its own (two servers in one process,
+as in tests, would otherwise collide in the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, max_block_size: int = 16):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=registry)
+        self.finished = Counter("dflash_requests_finished", "Generation requests ended, by reason "
+                                "(stop, length, abort: client gone or shutdown, error: the engine failed)",
+                                ["reason"], registry=registry)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
+        self.completion_tokens = Counter("dflash_completion_tokens", "Tokens generated", registry=registry)
+        self.accepted_length = Histogram(
+            "dflash_accepted_length", "Tokens committed per verify cycle (1 + accepted drafts)",
+            buckets=tuple(range(1, max_block_size + 1)), registry=registry)
+        self.time_to_first_token = Histogram("dflash_time_to_first_token_seconds",
+                                             "From submission to the engine to the first token",
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram(
+            "dflash_inter_token_latency_seconds",
+            "Time between a request's successive outputs divided by the tokens the later one brought",
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self.step_time = Histogram("dflash_engine_step_seconds", "Wall time of one Engine.step() call",
+                                   buckets=LATENCY_BUCKETS, registry=registry)
+        self.preemptions = Counter("dflash_preemptions", "Times a request was preempted (its KV cache recomputed)",
+                                   registry=registry)
+        self.queue_depth = Gauge("dflash_queue_depth", "Requests in the engine that have no token yet "
+                                 "(waiting for a slot or in prefill)", registry=registry)
+        self.open_requests = Gauge("dflash_requests_open", "Requests in the engine, not yet finished",
+                                   registry=registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

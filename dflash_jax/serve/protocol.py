@@ -1,0 +1,157 @@
+"""OpenAI request bodies (pydantic) and the response objects built from a finished request.
+
+Requests are validated strictly: a field this server does not know, or knows but cannot
+honour (logprobs, tools, response_format, ...), is refused by name rather than ignored, since
+ignoring it would silently change what the client gets. Fields that cannot change the tokens
+(`user`, `metadata`, ...) are accepted and ignored; so are unsupported ones left at their
+neutral value (`presence_penalty: 0`, `logprobs: null`), which some clients send by default.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+INT32_MAX = 2**31 - 1
+
+# Fields with no effect on the output.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
+# Unsupported fields, each with the values that mean "off" (accepted as if absent).
+UNSUPPORTED_FIELDS = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "ignore_eos": (None, False), "min_tokens": (None, 0),
+}
+
+
+class RequestError(ValueError):
+    """A request this server refuses: the HTTP status, the message and the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Sampling(BaseModel):
+    """Fields common to both endpoints."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # -1 or 0: off
+    seed: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    return_meta_info: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported (one choice per request), got {n}; send n requests instead")
+        return n
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def draw_seed(self) -> int:
+        """The request's seed; a fresh one when none is given, so unseeded requests differ."""
+        return self.seed if self.seed is not None else secrets.randbelow(INT32_MAX)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_request(kind: type[_Sampling], body: Any) -> _Sampling:
+    """The validated request, or RequestError naming the first bad or unsupported field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object.")
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise RequestError(f"{param}: {message}." if param else f"{message}.", param=param) from None
+    for name, value in (request.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            if value not in UNSUPPORTED_FIELDS[name]:
+                raise RequestError(f"{name} is not supported by this server; remove it from the request.", param=name)
+            continue
+        raise RequestError(f"{name} is not a field this server knows; remove it from the request.", param=name)
+    return request
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def meta_info(accepted_lengths: list[int], prompt_tokens: int, completion_tokens: int) -> dict:
+    """SGLang's `meta_info` for speculative decoding: verify cycles and mean tokens per cycle."""
+    cycles = len(accepted_lengths)
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "spec_verify_ct": cycles,
+        "spec_accept_length": sum(accepted_lengths) / cycles if cycles else 0.0,
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,398 @@
+"""The HTTP server on a tiny random DFlash pair, driven by the official openai client: greedy
+answers equal `generate` token for token, streams equal whole answers, concurrent requests
+equal their solo results, bad requests get OpenAI's error shape, disconnects abort, /metrics
+parses and moves, a failing step fails only its requests, z-lab's `dflash generate openai`
+runs unchanged, and a stop request drains the requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dflash_jax
+from conftest import drafter_config_dict, make_zlab_drafter, save_hf
+from dflash_jax.serve.cli import ModelInfo, bind, make_server
+from dflash_jax.tokenizer import ChatTokenizer
+from test_generate import biased_target
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+EOS = 0
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["Hello there", "The quick brown fox", "1, 2, 3, 4,", "Once upon a time, in a land far away,", "x"]
+CONCURRENT = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(16)]
+CHATS = {
+    "colour": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    "two": [{"role": "user", "content": "What is two plus two?"}],
+}
+ALL_TEXT_PROMPTS = PROMPTS + CONCURRENT
+ALL_CHATS = list(CHATS.values())
+REFERENCE_TOKENS = 60
+
+
+def write_char_tokenizer(folder) -> None:
+    """A character tokenizer for the tiny models' 96 ids: <|end|> (the EOS) at 0, printable
+    ASCII from ' ' to '}' at 1..94, <mask> (the drafter's mask token) at 95."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<|end|>": EOS, **{chr(c): c - 31 for c in range(32, 126)}, "<mask>": 95}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<|end|>", "<mask>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(server, tokenizer, target, drafter) with the server running in a thread on a free port."""
+    tmp = tmp_path_factory.mktemp("serve")
+    hf = biased_target(seed=2)
+    target_dir = tmp / "target"
+    save_hf(hf, target_dir)
+    write_char_tokenizer(target_dir)
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
+    target = dflash_jax.load_target(target_dir)
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=3), tmp / "drafter", config))
+    tokenizer = ChatTokenizer(target_dir)
+    # Programs compile as the tests need them (a CPU CI budget); `serve` itself precompiles.
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16)
+    server = make_server(engine, tokenizer, ModelInfo(MODEL, MAX_MODEL_LEN, 4), max_queue=32, shutdown_timeout_s=20,
+                         log_level="warning")
+    sock = bind("127.0.0.1", 0)
+    server.port = sock.getsockname()[1]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert server.ready.wait(60), "the server did not start"
+    yield server, tokenizer, target, drafter
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+    assert not thread.is_alive()
+
+
+def base_url(server) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def client(served):
+    with openai.OpenAI(base_url=base_url(served[0]) + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+_references: dict[tuple[int, ...], list[int]] = {}
+
+
+def reference(served, prompts_ids, max_new_tokens) -> list[list[int]]:
+    """Offline greedy DFlash tokens (block size 4, float32), up to and with the EOS.
+
+    One `generate` call of REFERENCE_TOKENS answers every prompt the module asks about (one
+    compilation); a shorter answer is its prefix, greedy decoding being the same either way."""
+    tokenizer, target, drafter = served[1], served[2], served[3]
+    if not _references:
+        every = [tokenizer.encode_text(p) for p in ALL_TEXT_PROMPTS] + [tokenizer.encode(m) for m in ALL_CHATS]
+        out = dflash_jax.generate(target, drafter, every, max_new_tokens=REFERENCE_TOKENS, block_size=4,
+                                  stop_token_ids=[EOS]).token_ids
+        _references.update({tuple(ids): answer for ids, answer in zip(every, out)})
+    assert max_new_tokens <= REFERENCE_TOKENS
+    answers = []
+    for ids in prompts_ids:
+        answer = _references[tuple(ids)][:max_new_tokens]
+        answers.append(answer[: answer.index(EOS) + 1] if EOS in answer else answer)
+    return answers
+
+
+def text_of(tokenizer, ids) -> str:
+    return tokenizer.decode(ids)
+
+
+def metric_values(server) -> dict:
+    """{(name, sorted labels): value} of the server's /metrics."""
+    body = httpx.get(base_url(server) + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def test_models_and_health(served):
+    server = served[0]
+    models = httpx.get(base_url(server) + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = httpx.get(base_url(server) + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ready"
+
+
+def test_greedy_completions_equal_generate(served, client):
+    tokenizer = served[1]
+    prompts_ids = [tokenizer.encode_text(p) for p in PROMPTS[:3]]
+    expected = reference(served, prompts_ids, 24)
+    for prompt, ids, want in zip(PROMPTS, prompts_ids, expected):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == text_of(tokenizer, want)
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(want)
+        assert out.choices[0].finish_reason == ("stop" if want[-1] == EOS else "length")
+    by_ids = client.completions.create(model=MODEL, prompt=prompts_ids[0], max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == text_of(tokenizer, expected[0])
+
+
+def test_greedy_chat_equals_generate(served, client):
+    tokenizer = served[1]
+    messages = CHATS["colour"]
+    want = reference(served, [tokenizer.encode(messages)], 30)[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    assert out.choices[0].message.content == text_of(tokenizer, want)
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens == len(want)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + len(want)
+
+
+def test_streams_concatenate_to_whole_answers(served, client):
+    messages = [{"role": "user", "content": "Count to five."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it did stream
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=40, temperature=0)
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=40,
+                                                                   temperature=0, stream=True)]
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_sixteen_concurrent_requests_equal_their_solo_results(served):
+    tokenizer = served[1]
+    prompts = CONCURRENT
+    lengths = [8 + 3 * i for i in range(16)]
+    expected = [text_of(tokenizer, reference(served, [tokenizer.encode_text(p)], n)[0])
+                for p, n in zip(prompts, lengths)]
+
+    async def one(client, prompt, n, stream):
+        if not stream:
+            out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+            return out.choices[0].text
+        return "".join([c.choices[0].text async for c in await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True)])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=base_url(served[0]) + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, n, i % 2 == 1)
+                                          for i, (p, n) in enumerate(zip(prompts, lengths))))
+
+    assert asyncio.run(all_at_once()) == expected
+
+
+def test_stop_strings_and_stop_token_ids(served, client):
+    tokenizer = served[1]
+    ids = tokenizer.encode_text(PROMPTS[1])
+    want = reference(served, [ids], 40)[0]
+    full = text_of(tokenizer, want)
+    stop = full[6:8]
+    expected = full[: full.index(stop)]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert streamed == expected
+    stop_id = want[5]
+    by_id = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id]})
+    cut = want.index(stop_id)
+    assert by_id.choices[0].text == text_of(tokenizer, want[:cut])
+    assert by_id.usage.completion_tokens == cut + 1 and by_id.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(served, client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    first = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs).choices[0].text == first
+    assert client.completions.create(**kwargs, extra_body={"top_k": 5}).usage.completion_tokens > 0
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt"),
+    ("/v1/completions", {"prompt": "a" * 200, "max_tokens": 100}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, 999]}, None),  # outside the vocabulary: the Engine refuses it
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "frobnicate": True}, "frobnicate"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, "model"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD_REQUESTS)
+def test_bad_requests_get_400_in_openai_shape(served, route, body, param):
+    response = httpx.post(base_url(served[0]) + route, json={"model": MODEL, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_wrong_routes_and_bodies(served, client):
+    url = base_url(served[0])
+    assert httpx.get(url + "/v1/nothing", timeout=10).status_code == 404
+    wrong_method = httpx.get(url + "/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+    not_json = httpx.post(url + "/v1/completions", content=b"{not json", timeout=10)
+    assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(model=MODEL, prompt="a", n=3)
+
+
+def test_full_queue_answers_429(served, client):
+    loop = served[0].engine_loop
+    limit, loop.max_open = loop.max_open, 0
+    try:
+        response = httpx.post(base_url(served[0]) + "/v1/completions", json={"prompt": "a"}, timeout=10)
+    finally:
+        loop.max_open = limit
+    assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_disconnect_mid_stream_aborts_the_request(served):
+    """The engine is held between steps while the client leaves, so the request cannot run to
+    its end first; then it must be aborted, not finished."""
+    server = served[0]
+    loop = server.engine_loop
+    engine, real_step = loop.engine, loop.engine.step
+    gate, aborted = threading.Event(), threading.Event()
+    gate.set()
+    real_abort = loop.abort
+
+    def gated_step():
+        assert gate.wait(60)
+        return real_step()
+
+    def watched_abort(handle, reason="abort"):
+        aborted.set()
+        real_abort(handle, reason)
+
+    before = metric_values(server)
+    engine.step, loop.abort = gated_step, watched_abort
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", base_url(server) + "/v1/completions", json=body) as response:
+                next(response.iter_lines())
+                gate.clear()
+        assert aborted.wait(30), "the server did not notice the disconnect"
+        gate.set()
+        assert loop.idle.wait(30)
+    finally:
+        gate.set()
+        del engine.step, loop.abort
+    after = metric_values(server)
+    finished = lambda m, reason: m.get(("dflash_requests_finished_total", (("reason", reason),)), 0)
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert finished(after, "length") == finished(before, "length")
+    assert not engine.has_unfinished()
+
+
+def test_failing_step_fails_its_requests_and_serving_goes_on(served, client):
+    loop = served[0].engine_loop
+    engine, real_step = loop.engine, loop.engine.step
+    failures = [RuntimeError("injected device failure")]
+
+    def failing_step():
+        if failures:
+            raise failures.pop()
+        return real_step()
+
+    engine.step = failing_step
+    try:
+        response = httpx.post(base_url(served[0]) + "/v1/completions",
+                              json={"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0}, timeout=30)
+    finally:
+        del engine.step
+    assert response.status_code == 500 and "injected device failure" in response.json()["error"]["message"]
+    assert loop.step_failures >= 1
+    tokenizer = served[1]
+    want = reference(served, [tokenizer.encode_text(PROMPTS[0])], 10)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert out.choices[0].text == text_of(tokenizer, want)
+
+
+def test_metrics_parse_and_move(served, client):
+    server = served[0]
+    before = metric_values(server)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+                                         temperature=0)
+    after = metric_values(server)
+    moved = lambda name, labels=(): after.get((name, labels), 0) - before.get((name, labels), 0)
+    assert moved("dflash_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200"))) == 1
+    assert moved("dflash_completion_tokens_total") == out.usage.completion_tokens
+    assert moved("dflash_prompt_tokens_total") == out.usage.prompt_tokens
+    assert moved("dflash_accepted_length_count") >= 1
+    assert moved("dflash_time_to_first_token_seconds_count") == 1
+    assert moved("dflash_engine_step_seconds_count") >= 1
+    assert ("dflash_queue_depth", ()) in after and ("dflash_preemptions_total", ()) in after
+
+
+def test_zlab_dflash_generate_openai_runs_unchanged(served, capsys):
+    """z-lab's `dflash generate openai` (dflash 0.1.0) prints the answer; its benchmark's reader
+    finds usage and SGLang's meta_info."""
+    pytest.importorskip("requests")
+    from dflash import cli as zlab_cli
+    from dflash.benchmark import send_openai
+
+    tokenizer = served[1]
+    question = CHATS["two"][0]["content"]
+    want = reference(served, [tokenizer.encode([{"role": "user", "content": question}])], 24)[0]
+    zlab_cli.main(["generate", "openai", "--model", MODEL, "--base-url", base_url(served[0]), "--max-new-tokens",
+                   "24", question])
+    assert capsys.readouterr().out == text_of(tokenizer, want) + "\n"
+    out = send_openai(base_url(served[0]), [{"role": "user", "content": question}], model=MODEL, max_new_tokens=24,
+                      temperature=0.0, top_p=1.0, top_k=0, timeout_s=60)
+    meta = out["meta_info"]
+    assert out["usage"]["completion_tokens"] == len(want)
+    assert meta["spec_verify_ct"] >= 1 and 1 <= meta["spec_accept_length"] <= 4
+    if out["choices"][0]["finish_reason"] == "length":  # the first token comes from prefill, not a cycle
+        assert round(meta["spec_accept_length"] * meta["spec_verify_ct"]) == len(want) - 1
+
+
+def test_stop_drains_requests_in_flight(served):
+    """Last in the module: it stops the server. `should_exit` is what uvicorn's SIGTERM handler
+    sets; a stream in flight still runs to its end, then the server exits by itself."""
+    server, tokenizer = served[0], served[1]
+    want = reference(served, [tokenizer.encode_text(PROMPTS[2])], 60)[0]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 60, "temperature": 0, "stream": True}
+    text, done = [], False
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base_url(server) + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    server.should_exit = True
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+                    break
+            for line in lines:
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+                done = done or line == "data: [DONE]"
+    assert done and "".join(text) == text_of(tokenizer, want)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()

@@ -1,0 +1,73 @@
+"""`dflash-jax serve` refuses bad flags and unusable models with one line and exit code 2,
+before it binds the port (or, for a taken port, at the bind, before compiling anything)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from conftest import make_hf_target, save_hf
+from dflash_jax import cli
+from dflash_jax.serve import cli as serve_cli
+from test_serve import write_char_tokenizer
+
+
+@pytest.fixture
+def no_bind(monkeypatch):
+    def fail(host, port):
+        raise AssertionError("serve bound the port before refusing")
+
+    monkeypatch.setattr(serve_cli, "bind", fail)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-cli") / "target"
+    save_hf(make_hf_target("llama", num_hidden_layers=1), folder)
+    return folder
+
+
+def refused(capsys, argv) -> str:
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("dflash-jax serve: error: ")
+    return err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--target", "/no/such/model"], "does not exist"),
+    (["--port", "70000"], "--port"),
+    (["--no-drafter", "--drafter", "/x"], "contradict"),
+    (["--target", "/x", "--block-size", "4"], "needs --drafter"),
+    (["--max-queue", "0"], "--max-queue"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, no_bind, argv, said):
+    assert said in refused(capsys, argv)
+
+
+def test_unusable_checkpoint_exits_2(tmp_path, capsys, no_bind):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NotAModel"], "model_type": "nothing"}))
+    write_char_tokenizer(tmp_path)
+    assert "NotAModel" in refused(capsys, ["--target", str(tmp_path)])
+
+
+def test_target_without_tokenizer_exits_2(tiny_target, capsys, no_bind):
+    assert "tokenizer.json" in refused(capsys, ["--target", str(tiny_target)])
+
+
+def test_bad_engine_size_exits_2(tiny_target, tmp_path, capsys, no_bind):
+    write_char_tokenizer(tiny_target)
+    assert "power of two" in refused(capsys, ["--target", str(tiny_target), "--max-num-reqs", "3"])
+
+
+def test_taken_port_exits_2_before_compiling(tiny_target, capsys, monkeypatch):
+    write_char_tokenizer(tiny_target)
+    monkeypatch.setattr("dflash_jax.Engine.precompile", lambda self: pytest.fail("compiled before binding"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "cannot bind" in refused(capsys, ["--target", str(tiny_target), "--port", str(port)])

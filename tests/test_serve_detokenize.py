@@ -1,0 +1,37 @@
+"""IncrementalDetokenizer: text deltas add up to the decoded answer, partial UTF-8 characters
+and possible stop-string starts are held back, a stop string cuts the text before it."""
+
+from dflash_jax.serve.detokenize import IncrementalDetokenizer
+
+
+def utf8(ids):
+    """A byte-level 'tokenizer': each id is one byte."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def pieces(detok, tokens, chunk=1):
+    out = [detok.push(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
+    return out, detok.flush()
+
+
+def test_deltas_add_up_and_partial_characters_wait():
+    text = "naïve café ☕!"
+    detok = IncrementalDetokenizer(utf8)
+    out, tail = pieces(detok, list(text.encode()))
+    assert "".join(out) + tail == text == detok.text
+    assert all("\ufffd" not in piece for piece in out)
+    assert out[text.encode().index("☕".encode())] == ""  # the first of its three bytes
+
+
+def test_stop_string_across_pushes_cuts_before_it():
+    detok = IncrementalDetokenizer(utf8, stop=["STOP", "zz"])
+    out, tail = pieces(detok, list(b"abc STxOP def STOP ghi"), chunk=3)
+    assert "".join(out) + tail == "abc STxOP def "
+    assert detok.stopped and tail == ""
+    assert "ST" not in "".join(out[:2])  # "ST" was held until "x" showed it is no stop
+
+
+def test_held_back_prefix_is_released_at_the_end():
+    detok = IncrementalDetokenizer(utf8, stop=["<end>"])
+    out, tail = pieces(detok, list(b"one <en"), chunk=2)
+    assert "".join(out) == "one " and tail == "<en" and not detok.stopped
