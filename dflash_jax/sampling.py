@@ -61,7 +61,7 @@ def validate_sampling_params(temperature, top_k, top_p) -> None:
     temperature = real("temperature", temperature, " >= 0 (0 = greedy)")
     top_p = real("top_p", top_p, " in (0, 1] (1.0 = off)")
     if not np.all(np.isfinite(temperature) & (temperature >= 0)):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}.")
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}.")
     top_k_array = real("top_k", top_k, " (an integer >= 0, 0 = off)")
     if top_k_array.dtype.kind not in "iu" or np.any(top_k_array < 0):
         raise ValueError(f"top_k must be a non-negative integer (0 = off), got {top_k}.")

