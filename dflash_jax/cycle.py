@@ -114,7 +114,7 @@ class CycleBatch:
 
     target: TargetBatch  # the target's ragged batch; logits are taken at verify_rows_RQ
     draft_page_tables: tuple[jax.Array, ...]  # [R, pages] per drafter cache group
-    slots_R: jax.Array  # state slot of each row (S for a padding row: its writes are dropped)
+    slots_R: jax.Array | None  # state slot of each row (S: a padding row, writes dropped); None: row r is slot r
     verify_rows_RQ: jax.Array  # target token rows whose logits verify (a prefill row: its last row)
     anchor_pos_R: jax.Array  # position of verify row 0 (a prefill row: its last position)
     verifying_R: jax.Array  # bool: the row verifies drafts (else a prefill chunk)
@@ -153,6 +153,23 @@ def commit_counts(tokens_RQ, num_accepted_R, remaining_R, stop_ids_RX):
     return count_R, stopped_R
 
 
+def slot_rows(array_S, slots_R):
+    """Each row's entry of a per-slot array (a padding row reads the last slot)."""
+    return array_S if slots_R is None else array_S[jnp.minimum(slots_R, array_S.shape[0] - 1)]
+
+
+def with_slot_rows(array_S, slots_R, values_R, where_R=None):
+    """A per-slot array with each row's value written to its slot, where `where_R` (all rows
+    if None); padding rows write nothing. Rows that are their slots need no scatter."""
+    if slots_R is None:
+        if where_R is None:
+            return values_R
+        return jnp.where(where_R.reshape(where_R.shape + (1,) * (values_R.ndim - 1)), values_R, array_S)
+    if where_R is not None:
+        slots_R = jnp.where(where_R, slots_R, array_S.shape[0])  # out of range: dropped
+    return array_S.at[slots_R].set(values_R, mode="drop")
+
+
 def verify_batch(state: DecodeState, page_table_SM, remaining_S, stop_ids_SX, sampling_rows: SamplingRows,
                  page_size: int) -> CycleBatch:
     """Every slot as one verify row block (anchor + drafts at consecutive positions): the
@@ -160,16 +177,15 @@ def verify_batch(state: DecodeState, page_table_SM, remaining_S, stop_ids_SX, sa
     num_slots = state.anchor_S.shape[0]
     tokens_SQ = jnp.concatenate([state.anchor_S[:, None], state.drafts_SN], axis=1)
     target = block_batch(tokens_SQ, state.anchor_pos_S, page_table_SM, page_size)
-    slots_S = jnp.arange(num_slots, dtype=jnp.int32)
     return CycleBatch(
         target=target,
         draft_page_tables=(page_table_SM,) * len(state.draft_caches),
-        slots_R=slots_S,
+        slots_R=None,
         verify_rows_RQ=target.logits_rows.reshape(tokens_SQ.shape),
         anchor_pos_R=state.anchor_pos_S,
         verifying_R=jnp.ones((num_slots,), bool),
         remaining_R=remaining_S,
-        next_prefill_tokens_R=jnp.zeros_like(slots_S),
+        next_prefill_tokens_R=jnp.zeros((num_slots,), jnp.int32),
         stop_ids_RX=stop_ids_SX,
         sampling=sampling_rows,
     )
@@ -181,8 +197,7 @@ def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
     computed. A verifying row r's target tokens are `anchor_S[slot], drafts_SN[slot]` at
     positions `anchor_pos_S[slot] + 0 .. N`."""
     target = batch.target
-    read_R = jnp.minimum(batch.slots_R, state.anchor_S.shape[0] - 1)  # padding rows read the last slot
-    anchor_pos_R = jnp.where(batch.verifying_R, state.anchor_pos_S[read_R], batch.anchor_pos_R)
+    anchor_pos_R = jnp.where(batch.verifying_R, slot_rows(state.anchor_pos_S, batch.slots_R), batch.anchor_pos_R)
     num_tokens = target.token_ids.shape[0]
     t_T = jnp.arange(num_tokens)
     real_T = t_T < target.query_start_loc[-1]
@@ -190,11 +205,11 @@ def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
     positions_T = jnp.where(from_state_T, anchor_pos_R[target.rows] + t_T - target.query_start_loc[target.rows],
                             target.positions)
     first_rows_R = jnp.where(batch.verifying_R, target.query_start_loc[:-1], num_tokens)  # out of range: dropped
-    tokens_T = target.token_ids.at[first_rows_R].set(state.anchor_S[read_R], mode="drop")
+    tokens_T = target.token_ids.at[first_rows_R].set(slot_rows(state.anchor_S, batch.slots_R), mode="drop")
     num_drafts = state.drafts_SN.shape[1]
     if num_drafts:
         draft_rows_RN = jnp.where(batch.verifying_R[:, None], batch.verify_rows_RQ[:, 1:], num_tokens)
-        tokens_T = tokens_T.at[draft_rows_RN].set(state.drafts_SN[read_R], mode="drop")
+        tokens_T = tokens_T.at[draft_rows_RN].set(slot_rows(state.drafts_SN, batch.slots_R), mode="drop")
     slots_T = jnp.where(real_T, slots_of(target.page_table, positions_T, state.target_cache.page_size, target.rows),
                         PAD_SLOT)
     target = dataclasses.replace(target, token_ids=tokens_T, positions=positions_T, slots=slots_T)
@@ -221,10 +236,10 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
                                                batch.anchor_pos_R, greedy=cfg.greedy)[:, None]
             accepted_R = jnp.zeros_like(rows_R)
         else:
-            read_R = jnp.minimum(batch.slots_R, state.drafts_SN.shape[0] - 1)
             num_drafts_R = jnp.where(batch.verifying_R, drafts_to_verify(batch.remaining_R, n), 0)
             tokens_RQ, accepted_R = sampling.rejection_sample(
-                logits_RQV, state.drafts_SN[read_R], None if cfg.greedy else state.draft_probs_SNV[read_R],
+                logits_RQV, slot_rows(state.drafts_SN, batch.slots_R),
+                None if cfg.greedy else slot_rows(state.draft_probs_SNV, batch.slots_R),
                 num_drafts_R, p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R, batch.anchor_pos_R,
                 greedy=cfg.greedy,
             )
@@ -235,13 +250,12 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     # token, drafted and verified as if it had never stopped).
     next_anchor_R = jnp.where(samples_R, tokens_RQ[rows_R, accepted_R], batch.next_prefill_tokens_R)
     next_anchor_pos_R = batch.anchor_pos_R + accepted_R + 1
-    num_slots = state.anchor_S.shape[0]
-    anchor_slots_R = jnp.where(samples_R | ~batch.verifying_R, batch.slots_R, num_slots)  # out of range: dropped
+    new_anchor_R = samples_R | ~batch.verifying_R
     state = dataclasses.replace(
         state,
         target_cache=target_cache,
-        anchor_S=state.anchor_S.at[anchor_slots_R].set(next_anchor_R, mode="drop"),
-        anchor_pos_S=state.anchor_pos_S.at[anchor_slots_R].set(next_anchor_pos_R, mode="drop"),
+        anchor_S=with_slot_rows(state.anchor_S, batch.slots_R, next_anchor_R, new_anchor_R),
+        anchor_pos_S=with_slot_rows(state.anchor_pos_S, batch.slots_R, next_anchor_pos_R, new_anchor_R),
     )
     if n:
         draft_caches, draft_logits_RNV = draft_step(
@@ -259,8 +273,8 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         state = dataclasses.replace(
             state,
             draft_caches=draft_caches,
-            drafts_SN=state.drafts_SN.at[batch.slots_R].set(drafts_RN, mode="drop"),
-            draft_probs_SNV=(state.draft_probs_SNV if cfg.greedy
-                             else state.draft_probs_SNV.at[batch.slots_R].set(probs_RNV, mode="drop")),
+            drafts_SN=with_slot_rows(state.drafts_SN, batch.slots_R, drafts_RN),
+            draft_probs_SNV=state.draft_probs_SNV if cfg.greedy else with_slot_rows(state.draft_probs_SNV, batch.slots_R,
+                                                                                 probs_RNV),
         )
     return state, Committed(tokens_RQ, count_R, stopped_R)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.cycle import Committed, CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
+from dflash_jax.cycle import CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
 from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
@@ -49,7 +49,7 @@ class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
     work: list[Work]
-    committed: Committed
+    committed_RP: jax.Array  # int32 [R, Q + 2]: `Committed` packed (tokens, count, stopped) for one transfer
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
@@ -270,16 +270,16 @@ class Engine:
         inputs = self._step_inputs(next_pow2(len(work)), self._token_bucket(sum(w.rows for w in work), len(work)))
         inputs.fill(work, 1 + self.num_drafts)
         ints, floats = jax.device_put((inputs.ints, inputs.floats))
-        self._state, committed = self._step_program(self._param_leaves(), self._state, ints, floats, inputs.layout,
-                                                    inputs.greedy)
+        self._state, committed_RP = self._step_program(self._param_leaves(), self._state, ints, floats,
+                                                       inputs.layout, inputs.greedy)
         self.scheduler.launched(work)
-        return _Launched(work, committed)
+        return _Launched(work, committed_RP)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them; outputs of
         requests finished or preempted since the launch are dropped."""
-        tokens_RQ, count_R, stopped_R = jax.device_get(
-            (launched.committed.tokens_RQ, launched.committed.count_R, launched.committed.stopped_R))
+        committed_RP = jax.device_get(launched.committed_RP)
+        tokens_RQ, count_R, stopped_R = committed_RP[:, :-2], committed_RP[:, -2], committed_RP[:, -1]
         outputs = []
         for r, w in enumerate(launched.work):
             if not self.scheduler.is_current(w):
@@ -347,6 +347,9 @@ def _step_program(treedefs, cfg: CycleConfig):
             batch = fill_verify_rows(batch, state)
             remaining_R = jnp.where(batch.remaining_R > 0, last_pos_R - batch.anchor_pos_R, 0)
         batch = dataclasses.replace(batch, remaining_R=remaining_R)
-        return speculative_cycle(models, state, batch, dataclasses.replace(cfg, greedy=greedy))
+        state, committed = speculative_cycle(models, state, batch, dataclasses.replace(cfg, greedy=greedy))
+        packed_RP = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
+                                     committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
+        return state, packed_RP
 
     return jax.jit(step, donate_argnums=1, static_argnums=(4, 5))

@@ -253,19 +253,19 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     # Caches are born inside the program: nothing to transfer or donate.
     state = DecodeState.zeros(models, cfg, num_slots=num_reqs, page_size=page_size, target_pages=num_pages,
                               draft_pages=(num_pages,) * len(draft_groups), with_draft_probs=not cfg.greedy)
-    slots_R = jnp.arange(num_reqs, dtype=jnp.int32)
+    zeros_R = jnp.zeros((num_reqs,), jnp.int32)
     prompt_lens_R = prefill.query_start_loc[1:] - prefill.query_start_loc[:-1]
     # Every request owns its pages for the whole run: each drafter cache group uses the same
     # trivial page table, and nothing is evicted.
     prefill_batch = CycleBatch(
         target=prefill,
         draft_page_tables=(prefill.page_table,) * len(state.draft_caches),
-        slots_R=slots_R,
+        slots_R=None,
         verify_rows_RQ=prefill.logits_rows[:, None],
         anchor_pos_R=prompt_lens_R - 1,
         verifying_R=jnp.zeros((num_reqs,), bool),
         remaining_R=jnp.full((num_reqs,), max_new_tokens, jnp.int32),
-        next_prefill_tokens_R=jnp.zeros_like(slots_R),
+        next_prefill_tokens_R=zeros_R,
         stop_ids_RX=stop_ids_RX,
         sampling=sampling_rows,
     )
@@ -274,9 +274,9 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     loop = _Loop(
         decode=state,
         tokens_RC=jnp.zeros((num_reqs, capacity), jnp.int32),
-        num_generated_R=jnp.zeros_like(slots_R),
+        num_generated_R=zeros_R,
         accepted_RC=jnp.zeros((num_reqs, capacity), jnp.int32),
-        num_cycles_R=jnp.zeros_like(slots_R),
+        num_cycles_R=zeros_R,
         done_R=jnp.zeros((num_reqs,), bool),
     ).commit(committed, False, max_new_tokens)
 
