@@ -13,11 +13,13 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from convert import cli as convert_cli
 from convert.staging import Terminated, terminate_raises
 from dflash_jax import cli_generate, demo
 from dflash_jax.cli_errors import from_checkpoint_reader, first_line, silence_stderr, user_error_message
+from dflash_jax.compile_cache import DEFAULT_CACHE_DIR, enable_compile_cache
 from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
 
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prefix = f"dflash-jax {args.command}"
     debug = args.debug or os.environ.get("DFLASH_JAX_DEBUG", "") not in ("", "0")
+    if hasattr(args, "cache_dir"):  # the commands that compile or download: defaults read here, once
+        args.cache_dir = (args.cache_dir or Path(os.environ.get("DFLASH_JAX_CACHE") or DEFAULT_CACHE_DIR)).expanduser()
+        if not args.no_compile_cache:
+            enable_compile_cache(args.cache_dir / "xla")
     try:
         with terminate_raises():
             args.run(args)

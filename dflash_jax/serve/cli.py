@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import socket
 import threading
 import time
 from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_jax.compile_cache import add_cache_arguments
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -59,8 +64,7 @@ def add_parser(subparsers) -> None:
                         help="seconds that requests in flight get to finish on SIGTERM")
     parser.add_argument("--no-precompile", action="store_true",
                         help="start without compiling the step programs (the first requests then compile them)")
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"),
-                        help="where the demo target is downloaded and converted")
+    add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
         if not args.no_precompile:
             start = time.perf_counter()
             log.info("compiling the step programs")
-            count = engine.precompile()
+            count = engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False))
             log.info("compiled %d step programs in %.1f s", count, time.perf_counter() - start)
         serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout)
     finally:

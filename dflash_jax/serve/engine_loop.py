@@ -240,6 +240,8 @@ class EngineLoop:
         try:
             stats = self.engine.stats(request_id)
             num_generated, accepted, preemptions = stats.num_generated, tuple(stats.accepted_lengths), stats.num_preemptions
+            error = error or stats.error
+            self.engine.release(request_id)  # its tokens went to the client: the engine forgets it
         except Exception:
             num_generated, accepted, preemptions = 0, (), 0
         self.metrics.finished.labels(reason=reason).inc()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.compile_cache import add_cache_arguments
+
 DTYPES = ("bfloat16", "float32")
 
 
@@ -35,6 +37,7 @@ def add_parser(subparsers) -> None:
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    add_cache_arguments(data)
     data.set_defaults(run=run_build_data)
 
     train = subparsers.add_parser(
@@ -70,6 +73,7 @@ def add_parser(subparsers) -> None:
     train.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (masters stay float32)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--checkpoint-every", type=int, default=1000)
+    add_cache_arguments(train)
     train.set_defaults(run=run_train)
 
 
