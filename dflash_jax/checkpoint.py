@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -65,7 +64,7 @@ def check_checkpoint_folder(path: str | Path) -> None:
         raise ValueError(f"{meta_path} is not a JSON object; convert the checkpoint again.")
     dtype = meta.get("dtype")
     try:
-        ok = isinstance(dtype, str) and np.issubdtype(np.dtype(_ml_dtype(dtype)), np.floating)
+        ok = isinstance(dtype, str) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
     except TypeError:
         ok = False
     if not ok:
@@ -74,15 +73,6 @@ def check_checkpoint_folder(path: str | Path) -> None:
         raise ValueError(f"{meta_path} names kind {meta.get('kind')!r}, not target or drafter; convert the checkpoint again.")
     if not (Path(path) / PARAMS_DIR).is_dir():
         raise ValueError(f"{path} has no params/ folder (an incomplete copy?); convert the checkpoint again.")
-
-
-def _ml_dtype(name: str):
-    """numpy knows no bfloat16 by name; ml_dtypes (a jax dependency) does."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return name
 
 
 def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:

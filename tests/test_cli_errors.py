@@ -130,9 +130,9 @@ def test_bad_input_gives_one_line(models, tmp_path, capsys, monkeypatch, case):
     argv = [str(a) for a in build(models, tmp_path)]
     if case in UP_FRONT:
         monkeypatch.setattr(convert.hf_to_nnx, "model_from_hf", lambda *a, **k: pytest.fail("converted first"))
-        import dflash_jax.checkpoint
+        import dflash_jax.loading
 
-        monkeypatch.setattr(dflash_jax.checkpoint, "load_target", lambda *a, **k: pytest.fail("loaded first"))
+        monkeypatch.setattr(dflash_jax.loading, "load_target", lambda *a, **k: pytest.fail("loaded first"))
     before = sorted(p.name for p in models.iterdir())
     capsys.readouterr()
     assert cli.main(argv) == code
