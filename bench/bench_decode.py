@@ -486,7 +486,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
     target, drafter = pair.target, pair.drafter
     tcfg, dcfg = target.cfg, drafter.cfg
     kernels = opts.kernels_for(impl).resolve()
-    width = pages_per_request(context, next_pow2(opts.n_tokens), max(*opts.block_sizes, dcfg.block_size) - 1)
+    width = pages_per_request(context, next_pow2(opts.n_tokens), max(*opts.block_sizes, dcfg.trained_block_size) - 1)
     table = 1 + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
     num_pages = 1 + batch * width
     groups = DraftCacheGroups.for_drafter(dcfg)
@@ -521,7 +521,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
     for block in opts.block_sizes:
         num_drafts = block - 1
         # As `generate` by default: the drafter fills its trained block, the first block - 1 drafts are verified.
-        shape = dict(draft_block_size=dcfg.block_size, max_model_len=tcfg.max_position_embeddings)
+        shape = dict(draft_block_size=dcfg.trained_block_size, max_model_len=tcfg.max_position_embeddings)
         verify_batch = block_batch(tokens[:, :block], start_R, table, PAGE_SIZE)
         key, k1, k2, k3 = jax.random.split(key, 4)
         features = jax.random.normal(k1, (batch * block, len(dcfg.target_layer_ids) * tcfg.hidden_size),
@@ -546,7 +546,7 @@ def section_steps(pair, batch, context, impl, opts, rng):
 
         def draft(models, caches, layouts_, num_drafts=num_drafts):
             return draft_block(models[0], models[1], caches, tables, layouts_, num_drafts=num_drafts,
-                               draft_block_size=dcfg.block_size, kernels=kernels)
+                               draft_block_size=dcfg.trained_block_size, kernels=kernels)
 
         def sample(models, carry, logits):
             return carry, sampling.sample_drafts(logits, *sampling_R, start_R, greedy=True)

@@ -41,10 +41,10 @@ def main() -> None:
         target, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids
     ).token_ids
     params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
-    trained = drafter.cfg.block_size
+    trained = drafter.cfg.trained_block_size
     print("| drafter block | " + " | ".join(f"verify {n} drafts" for n in (3, 7, 15) if n < trained) + " |")
     for block in sorted({4, 8, trained}):
-        sized = model_from_params(dataclasses.replace(drafter.cfg, block_size=block), drafter.dtype, params)
+        sized = model_from_params(dataclasses.replace(drafter.cfg, trained_block_size=block), drafter.dtype, params)
         matched = []  # per anchor: drafts matching the greedy text before the first miss
         for prompt, answer in zip(prompts, answers):
             ids = np.asarray(prompt + answer, np.int32)

@@ -77,7 +77,7 @@ class DrafterConfig:
     target_hidden_size: int
     num_target_layers: int | None
     mask_token_id: int
-    block_size: int  # the DFlash block the drafter was trained with (verify and draft blocks are at most this)
+    trained_block_size: int  # the DFlash block the drafter was trained with (verify and draft blocks are at most this)
     layers: tuple[LayerAttention, ...]
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
@@ -216,7 +216,7 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         target_hidden_size=int(field("target_hidden_size", hidden)),
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
         mask_token_id=int(mask_token_id),
-        block_size=int(field("block_size", 16)),
+        trained_block_size=int(field("block_size", 16)),
         layers=_drafter_layer_attention(raw, dflash, num_layers),
         input_embedding_scale=float(field("input_embedding_scale", 1.0)),
         output_multiplier=float(field("output_multiplier", 1.0)),
@@ -356,7 +356,7 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             mask_token_id=cfg.mask_token_id,
             target_layer_ids=list(cfg.target_layer_ids),
             target_hidden_size=cfg.target_hidden_size,
-            block_size=cfg.block_size,
+            block_size=cfg.trained_block_size,
             input_embedding_scale=cfg.input_embedding_scale,
             output_multiplier=cfg.output_multiplier,
             final_logit_softcapping=cfg.final_logit_softcapping,

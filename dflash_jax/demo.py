@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
         drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
     tokenizer = ChatTokenizer(target_dir)
     prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
-    block_size = drafter.cfg.block_size
+    block_size = drafter.cfg.trained_block_size
     if jax.default_backend() == "cpu":
         block_size = min(block_size, 8 if args.dtype == "bfloat16" else 4)
     block_size = block_size if args.block_size is None else args.block_size

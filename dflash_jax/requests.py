@@ -92,7 +92,7 @@ def _check_int_array(name: str, value, hint: str) -> np.ndarray:
 
 def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
     """The block size to draft with: the trained B by default, anything in [2, B]."""
-    trained = drafter.block_size
+    trained = drafter.trained_block_size
     block_size = trained if block_size is None else block_size
     if not is_int(block_size):
         raise ValueError(f"block_size must be an integer in [2, {trained}], got {block_size!r}.")
@@ -105,7 +105,7 @@ def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
 
 def resolve_draft_block_size(drafter: DrafterConfig, block_size: int, draft_block_size: int | None) -> int:
     """The drafter's own block: the trained B by default, anything in [block_size, B]."""
-    trained = drafter.block_size
+    trained = drafter.trained_block_size
     draft_block_size = trained if draft_block_size is None else draft_block_size
     if not is_int(draft_block_size):
         raise ValueError(f"draft_block_size must be an integer in [{block_size}, {trained}], got {draft_block_size!r}.")

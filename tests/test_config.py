@@ -54,7 +54,7 @@ def drafter(**changes):
 
 def test_published_qwen3_8b_drafter():
     cfg = drafter()
-    assert cfg.block_size == 16 and cfg.mask_token_id == 151669
+    assert cfg.trained_block_size == 16 and cfg.mask_token_id == 151669
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.fc_in_features == 5 * 4096
     assert cfg.rope.theta == 1e6 and cfg.rope.rope_type == "default"
     assert cfg.layers == (LayerAttention(causal=False),) * 5
@@ -69,7 +69,7 @@ def test_default_layer_ids_follow_the_spec():
 
 
 def test_block_size_nested_wins_and_mask_token_at_top_level():
-    assert drafter(dflash_block_size=8).block_size == 8
+    assert drafter(dflash_block_size=8).trained_block_size == 8
     raw = dict(QWEN3_8B_DRAFTER, mask_token_id=7, dflash_config={"target_layer_ids": [1]})
     assert parse_config(raw).mask_token_id == 7
     assert parse_config(raw).target_layer_ids == (1,)

@@ -153,7 +153,7 @@ def test_draft_block_size_drafts_the_trained_block_and_verifies_fewer(pair, draf
     spec = generate(target, drafter, PROMPTS, max_new_tokens=32, block_size=4, draft_block_size=draft_block_size)
     assert spec.token_ids == ar.token_ids
     for prompt, tokens, lengths in zip(PROMPTS, spec.token_ids, spec.accepted_lengths):
-        replay = dense_replay_lengths(target, drafter, prompt, tokens, 4, draft_block_size or drafter.cfg.block_size)
+        replay = dense_replay_lengths(target, drafter, prompt, tokens, 4, draft_block_size or drafter.cfg.trained_block_size)
         assert lengths[:-2] == replay[: len(lengths) - 2]  # the last cycles are cut by max_new_tokens
     with pytest.raises(ValueError, match=r"draft_block_size must lie in \[4, 8\]"):
         generate(target, drafter, PROMPTS[:1], max_new_tokens=4, block_size=4, draft_block_size=3)

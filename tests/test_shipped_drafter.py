@@ -15,7 +15,7 @@ def test_shipped_drafter_loads_with_smollm2_shapes():
     drafter = dflash_jax.load_drafter(DEFAULT_DRAFTER, dtype="float32")
     cfg = drafter.cfg
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (49152, 576, 9, 3)
-    assert cfg.block_size == 16 and cfg.mask_token_id == 16 and cfg.num_target_layers == 30
+    assert cfg.trained_block_size == 16 and cfg.mask_token_id == 16 and cfg.num_target_layers == 30
     leaves = jax.tree.leaves(nnx.state(drafter, nnx.Param))
     assert all(bool(np.isfinite(np.asarray(x)).all()) for x in leaves)
 

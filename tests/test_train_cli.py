@@ -46,7 +46,7 @@ def test_build_data_then_train_cli(tmp_path, monkeypatch, capsys):
     assert "--mask-token-id" in capsys.readouterr().err
     assert cli.main([*train, "--mask-token-id", "63"]) == 0
     drafter = dflash_jax.load_drafter(tmp_path / "run" / "drafter")
-    assert drafter.cfg.block_size == 4 and drafter.cfg.mask_token_id == 63 and drafter.cfg.num_layers == 1
+    assert drafter.cfg.trained_block_size == 4 and drafter.cfg.mask_token_id == 63 and drafter.cfg.num_layers == 1
     card = (tmp_path / "run" / "drafter" / "README.md").read_text()
     assert "steps: 3" in card and '"soft_label_weight": 0.5' in card and card.count("data.npz") == 2
     assert cli.main([*train, "--mask-token-id", "63"]) == 2  # finished runs are not overwritten

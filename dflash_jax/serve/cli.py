@@ -138,13 +138,13 @@ def load_engine(args):
     if drafter_path is not None:
         drafter = _load(dflash_jax.load_drafter, drafter_path, target.dtype, "drafter")
         if demo_pair and block_size is None and jax.default_backend() == "cpu":
-            block_size = min(drafter.cfg.block_size, 8 if dtype == "bfloat16" else 4)
+            block_size = min(drafter.cfg.trained_block_size, 8 if dtype == "bfloat16" else 4)
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=args.max_num_reqs, max_num_tokens=args.max_num_tokens,
                                block_size=block_size, max_model_len=args.max_model_len)
     info = ModelInfo(
         name=args.served_model_name or (demo.TARGET_DIR_NAME if demo_pair else Path(target_path).stem),
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
-        block_size=(block_size or drafter.cfg.block_size) if drafter is not None else 1,
+        block_size=(block_size or drafter.cfg.trained_block_size) if drafter is not None else 1,
     )
     return engine, tokenizer, info
 

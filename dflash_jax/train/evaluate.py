@@ -28,7 +28,7 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: Sequence[int], 
     check_drafter_fits_target(target.cfg, drafter.cfg)
     if len(prompt) == 0 or max_new_tokens < 1:
         raise ValueError("give a non-empty prompt and max_new_tokens >= 1.")
-    block_size = drafter.cfg.block_size
+    block_size = drafter.cfg.trained_block_size
     size = next_pow2(len(prompt) + max_new_tokens + block_size)
     buffer_L = np.zeros(size, np.int32)
     buffer_L[: len(prompt)] = prompt
@@ -71,6 +71,6 @@ def _cycle(target_graph, target_state, drafter_graph, drafter_state, buffer_L, s
     drafts_K = jnp.argmax(block_logits(target, drafter, buffer_L, features_LF, anchors_A)[0], axis=-1)
     verify_L = jax.lax.dynamic_update_slice(buffer_L, drafts_K.astype(jnp.int32), (start + 1,))
     logits_LV, _ = target_logits_and_features(target, verify_L, ())
-    block_size = drafter.cfg.block_size
+    block_size = drafter.cfg.trained_block_size
     posterior_B = jnp.argmax(jax.lax.dynamic_slice_in_dim(logits_LV, start, block_size), axis=-1)
     return drafts_K, posterior_B

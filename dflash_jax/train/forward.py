@@ -55,7 +55,7 @@ def block_attention(q_ABNH, ctx_k_LKH, ctx_v_LKH, blk_k_ABKH, blk_v_ABKH, ctx_ma
 def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
     """Drafter hidden states [A, B, D] (after the final norm) of blocks [x_p, MASK x (B-1)]."""
     cfg = drafter.cfg
-    num_ctx, block_size, num_anchors = token_ids_L.shape[0], cfg.block_size, anchors_A.shape[0]
+    num_ctx, block_size, num_anchors = token_ids_L.shape[0], cfg.trained_block_size, anchors_A.shape[0]
     positions_AB = block_positions(anchors_A, block_size)
     block_ids_AB = jnp.full((num_anchors, block_size), cfg.mask_token_id, jnp.int32)
     block_ids_AB = block_ids_AB.at[:, 0].set(token_ids_L[anchors_A])

@@ -52,7 +52,7 @@ def new_drafter_config(
         target_hidden_size=target.hidden_size,
         num_target_layers=target.num_layers,
         mask_token_id=mask_token_id,
-        block_size=block_size,
+        trained_block_size=block_size,
         layers=(LayerAttention(causal=False),) * num_layers,
     )
 

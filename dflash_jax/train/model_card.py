@@ -31,7 +31,7 @@ format: `config.json` with `dflash_config`, weights in safetensors (bf16, sharde
 It has no embedding or LM head of its own: load it next to its target.
 
 - target: `{run.get('target')}`
-- drafter: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block size {cfg.block_size},
+- drafter: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block size {cfg.trained_block_size},
   mask token {cfg.mask_token_id}, target layers {list(cfg.target_layer_ids)}
 - data{f": `{run['data']}`" if run.get('data') else ""}
 ```json
@@ -43,7 +43,7 @@ It has no embedding or LM head of its own: load it next to its target.
 {json.dumps(dataclasses.asdict(hp), indent=2)}
 ```
 - final training loss {result.losses[-1] if result.losses else float('nan'):.4f}; per-slot accuracy
-  (slots 1..{cfg.block_size - 1}) on the last batch: {accuracy}
+  (slots 1..{cfg.trained_block_size - 1}) on the last batch: {accuracy}
 """
     return text
 

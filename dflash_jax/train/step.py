@@ -90,7 +90,7 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
     optimizer = make_optimizer(hp)
     schedule = learning_rate_schedule(hp)
     compute_dtype = jnp.dtype(hp.compute_dtype)
-    weights_K = slot_weights(cfg.block_size, hp.gamma or default_gamma(cfg.block_size))
+    weights_K = slot_weights(cfg.trained_block_size, hp.gamma or default_gamma(cfg.trained_block_size))
     base_key = jax.random.key(hp.seed)
 
     def loss_fn(params, target_state, token_ids_NL, loss_mask_NL, key):
@@ -101,10 +101,10 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
             target_logits_LV, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
             anchors_A, valid_A = sample_anchors(seq_key, loss_mask_L, hp.max_anchors)
             logits_AKV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
-            labels_AK, counted_AK = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.block_size)
+            labels_AK, counted_AK = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.trained_block_size)
             soft_AKV = None
             if hp.soft_label_weight > 0:
-                soft_AKV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.block_size))
+                soft_AKV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.trained_block_size))
             return block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K, soft_AKV, hp.soft_label_weight)
 
         keys = jax.random.split(key, token_ids_NL.shape[0])

@@ -53,8 +53,8 @@ def train_drafter(
     there: a later call with the same work_dir carries on (`steps_done` says how far it got).
     """
     check_drafter_fits_target(target.cfg, drafter.cfg)
-    if max_length < drafter.cfg.block_size:
-        raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.block_size}.")
+    if max_length < drafter.cfg.trained_block_size:
+        raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.trained_block_size}.")
     cfg = drafter.cfg
     target = _cast(target, hp.compute_dtype)
     target_graph, target_state = nnx.split(target)
@@ -71,7 +71,7 @@ def train_drafter(
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
 
-    losses, accuracy = [], np.zeros(cfg.block_size - 1)
+    losses, accuracy = [], np.zeros(cfg.trained_block_size - 1)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
     done = start
     bar = tqdm(range(start, hp.total_steps), initial=start, total=hp.total_steps, disable=not progress, desc="train")
