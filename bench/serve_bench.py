@@ -6,7 +6,10 @@ warm-up round (untimed: with --no-precompile it compiles what the level needs) a
 `--rounds` requests per client. Reported per level: output tokens/s (all completion tokens
 over the level's wall time), time to first token and inter-token latency p50/p99 over
 requests (inter-token latency of a request: (last chunk - first chunk) / (tokens - 1)), and
-the mean accepted length (tokens per verify cycle, from `meta_info`). Writes JSON to --out.
+the mean accepted length (tokens per verify cycle, from `meta_info`). With --engine-baseline it
+also runs the DFlash Engine alone (no HTTP) in a subprocess with the same flags, one request at
+a time over the same prompts, and reports the same inter-token latency, so the server's own
+cost at concurrency 1 reads as a ratio. Writes JSON to --out.
 
     python bench/serve_bench.py --out bench/results/raw/serve.json              # H200: demo pair, 1/4/16/64
     python bench/serve_bench.py --concurrency 1,4 --rounds 2 --max-tokens 32 \\
@@ -50,9 +53,15 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="more flags for `dflash-jax serve` (one string)")
     parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds for a server to get ready")
     parser.add_argument("--level-timeout", type=float, default=600, help="seconds one level may take")
+    parser.add_argument("--engine-baseline", action="store_true",
+                        help="also time the Engine alone at concurrency 1 (a subprocess, the same flags)")
+    parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()] if args.prompts \
         else list(QUESTIONS)
+    if args.engine_worker:
+        print(json.dumps(engine_alone(prompts, args.rounds, args.max_tokens, shlex.split(args.server_args))))
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     results = {"date": datetime.date.today().isoformat(), "commit": _commit(), "machine": _machine(),
                "versions": _versions(), "args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
@@ -64,6 +73,15 @@ def main() -> None:
         for level in results["modes"][mode]["levels"]:
             print(f"{mode:15s} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in level.items()), flush=True)
+    if args.engine_baseline:
+        worker = subprocess.run([sys.executable, __file__, "--engine-worker", "--out", str(args.out), "--rounds",
+                                 str(args.rounds), "--max-tokens", str(args.max_tokens), "--server-args",
+                                 args.server_args, *(["--prompts", str(args.prompts)] if args.prompts else [])],
+                                capture_output=True, text=True, timeout=args.startup_timeout + args.level_timeout)
+        if worker.returncode:
+            raise SystemExit(f"the Engine baseline failed:\n{worker.stderr[-2000:]}")
+        results["engine_alone"] = json.loads(worker.stdout.strip().splitlines()[-1])
+        print("engine alone    " + "  ".join(f"{k}={v:.4g}" for k, v in results["engine_alone"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
 
@@ -160,6 +178,40 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
     return {"tokens": tokens, "ttft_s": (first or time.perf_counter()) - sent, "cycles": cycles,
             "accepted": meta.get("spec_accept_length", 0.0) * cycles,
             "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+
+
+def engine_alone(prompts: list[str], rounds: int, max_tokens: int, server_args: list[str]) -> dict:
+    """The server's Engine (built by `serve`'s own loader from the same flags) decoding the
+    same greedy chat requests one at a time, timed per step as the stream would see them."""
+    from dflash_jax import SamplingParams
+    from dflash_jax.cli import parse_args
+    from dflash_jax.serve.cli import load_engine
+
+    engine, tokenizer, _ = load_engine(parse_args(["serve", *server_args]))
+    engine.precompile()
+    itl, tokens_total, wall_total, cycles, accepted = [], 0, 0.0, 0, 0.0
+    for i in range(-1, rounds):  # request -1 warms up, untimed; then client 0's prompts of a level
+        ids = tokenizer.encode([{"role": "user", "content": prompts[max(i, 0) % len(prompts)]}])
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0,
+                                stop_token_ids=tuple(sorted(tokenizer.stop_token_ids)))
+        start = time.perf_counter()
+        request_id = engine.add_request(ids, params)
+        first = last = None
+        while engine.has_unfinished():
+            if any(o.request_id == request_id and o.new_token_ids for o in engine.step()):
+                last = time.perf_counter()
+                first = first or last
+        tokens = len(engine.output(request_id))
+        stats = engine.stats(request_id)
+        engine.release(request_id)
+        if i < 0:
+            continue
+        tokens_total, wall_total = tokens_total + tokens, wall_total + (last - start)
+        cycles, accepted = cycles + len(stats.accepted_lengths), accepted + sum(stats.accepted_lengths)
+        if tokens > 1:
+            itl.append((last - first) / (tokens - 1))
+    return {"requests": rounds, "output_tokens": tokens_total, "output_tokens_per_s": tokens_total / wall_total,
+            "itl_p50_s": _pct(itl, 50), "mean_accepted_length": accepted / cycles if cycles else 0.0}
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -42,15 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    prefix = f"dflash-jax {args.command}"
-    debug = args.debug or os.environ.get("DFLASH_JAX_DEBUG", "") not in ("", "0")
-    if hasattr(args, "cache_dir"):  # the commands that compile or download: defaults read here, once
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command's flags with the environment's defaults filled in (read here, once), and
+    the compilation cache turned on for the commands that compile."""
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "cache_dir"):
         args.cache_dir = (args.cache_dir or Path(os.environ.get("DFLASH_JAX_CACHE") or DEFAULT_CACHE_DIR)).expanduser()
         if not args.no_compile_cache:
             enable_compile_cache(args.cache_dir / "xla")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prefix = f"dflash-jax {args.command}"
+    debug = args.debug or os.environ.get("DFLASH_JAX_DEBUG", "") not in ("", "0")
     try:
         with terminate_raises():
             args.run(args)
