@@ -1,0 +1,76 @@
+"""Compiling the Engine's step programs while the server already answers.
+
+The server compiles the programs one request needs before it opens its port (`--warmup
+minimal`, the default) and the rest on this thread afterwards. Meanwhile the Engine admits only
+as many requests as its compiled programs can batch, and all-greedy batches run on the
+sampling program (`Engine.admit_within_compiled`): requests beyond that wait in the queue,
+none fails. `/health` says "warming" until the last program is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from dflash_jax.buckets import Program
+    from dflash_jax.engine import Engine
+
+log = logging.getLogger("dflash_jax.serve")
+
+WARMUP_CHOICES = ("minimal", "all", "none")
+
+
+def split_programs(engine: Engine, warmup: str) -> tuple[tuple[Program, ...], tuple[Program, ...]]:
+    """(programs to compile before the port opens, programs to compile after) for `--warmup`:
+    minimal: one request's (rows bucket 1, sampling) first; all: everything first; none:
+    nothing (each compiles when a step first needs it)."""
+    if warmup == "none":
+        return (), ()
+    if warmup == "all":
+        return engine.programs, ()
+    first = tuple(p for p in engine.programs if p.rows == 1 and not p.greedy)
+    return first, tuple(p for p in engine.programs if p not in first)
+
+
+class Warmup:
+    """Compiles `programs` on a thread of its own; `stop` ends it after the program compiling."""
+
+    def __init__(self, engine: Engine, programs: Sequence[Program],
+                 progress: Callable[[Iterable], Iterable] | None = None):
+        self.engine = engine
+        self.programs = tuple(programs)
+        self._progress = progress or iter
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.programs and self._thread is None:
+            self.engine.admit_within_compiled = True
+            self._thread = threading.Thread(target=self._run, name="dflash-warmup", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 600.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for program in self._progress(self.programs):
+                if self._stop.is_set():
+                    return
+                self.engine.precompile(programs=[program])
+            log.info("compiled the remaining %d step programs in %.1f s; all are ready", len(self.programs),
+                     time.perf_counter() - start)
+        except Exception:
+            log.exception("compiling step programs in the background failed; the rest compile when a step needs them")
+        finally:
+            self.engine.admit_within_compiled = False
