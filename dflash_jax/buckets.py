@@ -15,9 +15,10 @@ argmaxes) and a sampling one; a prefill shape only the sampling one, whose tempe
 rows take the same argmax path behind one runtime branch. For 8 requests that is
 4 rows buckets x (2 + 1) = 12 programs.
 
-`programs` lists them in warm-up order, fewest rows first and sampling before greedy, so the
-first two serve one request of any kind and each later rows bucket becomes usable as soon as
-its two sampling programs are compiled.
+`programs` lists them in warm-up order, fewest rows first: for each rows bucket the budget
+shape first (sampling), which runs any batch of that many requests, then the decode shapes. The
+first program alone serves one request of any kind, slowly: a server opens its port after it
+and, while the rest compile, runs each batch on the smallest compiled program that holds it.
 """
 
 from __future__ import annotations
@@ -53,10 +54,9 @@ def programs(*, max_num_reqs: int, max_num_tokens: int, num_query: int) -> list[
     out = []
     for rows in rows_buckets(max_num_reqs):
         decode = rows * num_query
-        out.append(Program(rows, decode, greedy=False))
         if decode < max_num_tokens:
             out.append(Program(rows, max_num_tokens, greedy=False))
-        out.append(Program(rows, decode, greedy=True))
+        out.extend((Program(rows, decode, greedy=False), Program(rows, decode, greedy=True)))
     return out
 
 
@@ -64,3 +64,8 @@ def program_for(num_rows: int, num_tokens: int, greedy: bool, *, max_num_tokens:
     """The program a batch runs: its bucket's greedy program only for an all-greedy decode shape."""
     rows, tokens = bucket_for(num_rows, num_tokens, max_num_tokens=max_num_tokens, num_query=num_query)
     return Program(rows, tokens, greedy and tokens == rows * num_query)
+
+
+def holds(program: Program, num_rows: int, num_tokens: int, greedy: bool) -> bool:
+    """Whether `program` can run a batch: enough rows and tokens, and sampling unless the batch is all greedy."""
+    return program.rows >= num_rows and program.tokens >= num_tokens and (greedy or not program.greedy)

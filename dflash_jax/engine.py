@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-from dflash_jax.buckets import Program, program_for, programs
+from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
 from dflash_jax.flat_models import flatten_models, unflatten_models
@@ -151,8 +151,8 @@ class Engine:
         self.programs: tuple[Program, ...] = tuple(programs(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=1 + self.num_drafts))
         # While another thread precompiles (a server warming up): admit only as many requests
-        # as compiled programs can batch, and run all-greedy batches on the sampling program
-        # until their own is compiled, so no step waits for a compilation.
+        # as compiled programs hold, and run each batch on the smallest compiled program that
+        # holds it until its own is compiled, so no step waits for a compilation.
         self.admit_within_compiled = False
         self._requests: dict[int, Request] = {}
         self._next_id = 0
@@ -286,18 +286,23 @@ class Engine:
         return _Launched(work, committed_RP)
 
     def _program_for(self, work: list[Work]) -> Program:
+        """The batch's own program; while warming up, if that is not compiled yet, the smallest
+        compiled one that holds the batch (same tokens, more padding)."""
         greedy = all(w.request.params.temperature == 0 for w in work)
-        program = program_for(len(work), sum(w.rows for w in work), greedy, max_num_tokens=self.max_num_tokens,
+        num_rows, num_tokens = len(work), sum(w.rows for w in work)
+        program = program_for(num_rows, num_tokens, greedy, max_num_tokens=self.max_num_tokens,
                               num_query=1 + self.num_drafts)
-        if program.greedy and self.admit_within_compiled and not self.is_compiled(program):
-            return dataclasses.replace(program, greedy=False)  # same tokens, one runtime branch more
+        if self.admit_within_compiled and not self.is_compiled(program):
+            compiled = [p for p in self.programs if self.is_compiled(p) and holds(p, num_rows, num_tokens, greedy)]
+            return min(compiled, key=lambda p: (p.rows * p.tokens, not p.greedy), default=program)
         return program
 
     def _admissible_rows(self) -> int:
-        """The most requests whose batches all have a compiled sampling program: every rows
-        bucket up to the first with one missing (at least 1, which then compiles on demand)."""
-        missing = [p.rows for p in self.programs if not p.greedy and not self.is_compiled(p)]
-        return max(min(missing) // 2, 1) if missing else self.max_num_reqs
+        """The most requests that a compiled program holds whatever they run: the rows of the
+        largest compiled sampling program at the token budget (at least 1, which then
+        compiles on demand)."""
+        return max((p.rows for p in self.programs if not p.greedy and p.tokens == self.max_num_tokens
+                    and self.is_compiled(p)), default=1)
 
     def _key(self, program: Program):
         """What identifies `program`'s executable among those of engines of these models."""

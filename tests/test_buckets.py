@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_jax.buckets import Program, program_for, programs
+from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.kv_cache import PageAllocator
 from dflash_jax.requests import RequestStats, SamplingParams
 from dflash_jax.scheduler import Request, Scheduler
@@ -17,7 +17,7 @@ from pallas_kernels.common import next_pow2
 def test_default_engine_has_twelve_programs():
     found = programs(max_num_reqs=8, max_num_tokens=256, num_query=8)
     assert len(found) == 12
-    assert found[:2] == [Program(1, 8, False), Program(1, 256, False)]  # what one request needs
+    assert found[0] == Program(1, 256, False)  # runs any batch of one request
     assert {p.tokens for p in found if p.greedy} == {8, 16, 32, 64}
 
 
@@ -59,3 +59,19 @@ def test_every_scheduled_batch_has_a_program(log_reqs, log_tokens_over, num_draf
                 if w.request.num_generated >= w.request.params.max_new_tokens:
                     s.finish(w.request)
     assert not s.has_unfinished()
+
+
+@settings(max_examples=30, deadline=None)
+@given(log_reqs=st.integers(0, 4), num_query=st.sampled_from([1, 2, 4, 5, 16]), log_tokens_over=st.integers(0, 2),
+       compiled=st.integers(1, 30), batch=st.tuples(st.integers(1, 16), st.integers(1, 4096), st.booleans()))
+def test_a_warming_prefix_holds_every_batch_it_admits(log_reqs, num_query, log_tokens_over, compiled, batch):
+    """Programs compile in warm-up order; whatever prefix is compiled, a batch of no more
+    requests than the largest compiled budget program (what a warming Engine admits) has a
+    compiled program that holds it."""
+    max_num_reqs = 1 << log_reqs
+    max_num_tokens = next_pow2(max_num_reqs * num_query) << log_tokens_over
+    prefix = programs(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=num_query)[:compiled]
+    admitted = max(p.rows for p in prefix if not p.greedy and p.tokens == max_num_tokens)
+    num_rows, greedy = min(batch[0], admitted), batch[2]
+    num_tokens = min(max(batch[1], num_rows), max_num_tokens)
+    assert any(holds(p, num_rows, num_tokens, greedy) for p in prefix)

@@ -267,18 +267,17 @@ def test_tight_cache_serves_to_the_end(models):
 
 
 def test_warming_engine_admits_within_its_compiled_programs(models):
-    """While the rest compile elsewhere (a server warming up), an engine with only one
-    request's sampling programs runs requests one at a time, greedy ones on the sampling
-    program: no step compiles, and the answers are exact."""
+    """While the rest compile elsewhere (a server warming up), an engine with only its first
+    program (one request at the token budget, sampling) runs requests one at a time, decode
+    and greedy steps on that program too: no step compiles, and the answers are exact."""
     target, drafters, reference = models
     engine = Engine(target, drafters["full"], max_num_reqs=2, max_num_tokens=64)
-    one_request = [p for p in engine.programs if p.rows == 1 and not p.greedy]
-    assert engine.precompile(programs=one_request) == 2 and engine.num_compiled() == 2
+    assert engine.precompile(programs=engine.programs[:1]) == 1 and engine.num_compiled() == 1
     engine.admit_within_compiled = True
     traces = Engine.num_traces()
     ids = run(engine, PROMPTS[:3], SamplingParams(max_new_tokens=20))
     assert [engine.output(i) for i in ids] == reference[:3]
-    assert Engine.num_traces() == traces and engine.num_compiled() == 2
+    assert Engine.num_traces() == traces and engine.num_compiled() == 1
 
 
 def test_precompile_covers_budgets_below_eight_tokens(models):

@@ -1,6 +1,6 @@
-"""A server that opens its port after one request's programs: /health says warming (with the
-count) while the rest compile in the background, a greedy request meanwhile is answered
-(on the sampling program), and /health turns ready once every program is compiled."""
+"""A server that opens its port after one program: /health says warming (with the count)
+while the rest compile in the background, a greedy request meanwhile is answered (on that
+sampling program), and /health turns ready once every program is compiled."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_serves_while_warming_then_ready(tmp_path):
     drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=3), tmp_path / "drafter", config))
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=1, max_num_tokens=8)
     first, later = split_programs(engine, "minimal")
-    assert [p.greedy for p in first] == [False, False] and len(first) + len(later) == len(engine.programs)
+    assert first == engine.programs[:1] and first + later == engine.programs
     engine.precompile(programs=first)
 
     gate = threading.Event()

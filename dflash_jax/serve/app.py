@@ -55,7 +55,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
         log.info("serving %s", model_name)
         yield
         if warmup is not None:
-            warmup.stop()
+            warmup.stop(shutdown_timeout_s)  # waits for the program compiling, if any
         loop.stop(shutdown_timeout_s)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -2,9 +2,9 @@
 
 Start-up checks everything that can be wrong before the port is bound (flags, models,
 tokenizer, Engine sizes: any of them stops it with one line and exit code 2), binds the port
-without listening, compiles the step programs one request needs (`--warmup minimal`; `all`
-compiles every one first), and only then accepts connections: the first request never waits
-for compilation. The other programs compile in the background (`warmup`). SIGTERM or Ctrl-C stops accepting, lets the requests in
+without listening, compiles one step program that runs any one request (`--warmup minimal`;
+`all` compiles every one first), and only then accepts connections: the first request never
+waits for compilation. The other programs compile in the background (`warmup`). SIGTERM or Ctrl-C stops accepting, lets the requests in
 flight finish for up to --shutdown-timeout seconds, aborts the rest and exits.
 """
 
@@ -65,9 +65,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds that requests in flight get to finish on SIGTERM")
     parser.add_argument("--warmup", choices=WARMUP_CHOICES, default="minimal",
-                        help="step programs compiled before the port opens: minimal (those one request needs; the "
-                        "rest compile in the background while /health says warming), all, or none (each compiles "
-                        "when a step first needs it)")
+                        help="step programs compiled before the port opens: minimal (one that runs any one request; "
+                        "the rest compile in the background while /health says warming), all, or none (each "
+                        "compiles when a step first needs it)")
     add_cache_arguments(parser)
     parser.set_defaults(run=run)
 

@@ -1,10 +1,10 @@
 """Compiling the Engine's step programs while the server already answers.
 
-The server compiles the programs one request needs before it opens its port (`--warmup
-minimal`, the default) and the rest on this thread afterwards. Meanwhile the Engine admits only
-as many requests as its compiled programs can batch, and all-greedy batches run on the
-sampling program (`Engine.admit_within_compiled`): requests beyond that wait in the queue,
-none fails. `/health` says "warming" until the last program is compiled.
+The server compiles one program that runs any one request before it opens its port
+(`--warmup minimal`, the default) and the rest on this thread afterwards. Meanwhile the Engine
+admits only as many requests as its compiled programs hold and runs each batch on the smallest
+compiled program that holds it (`Engine.admit_within_compiled`): requests beyond that wait in
+the queue, none fails. `/health` says "warming" until the last program is compiled.
 """
 
 from __future__ import annotations
@@ -25,14 +25,10 @@ WARMUP_CHOICES = ("minimal", "all", "none")
 
 def split_programs(engine: Engine, warmup: str) -> tuple[tuple[Program, ...], tuple[Program, ...]]:
     """(programs to compile before the port opens, programs to compile after) for `--warmup`:
-    minimal: one request's (rows bucket 1, sampling) first; all: everything first; none:
-    nothing (each compiles when a step first needs it)."""
-    if warmup == "none":
-        return (), ()
-    if warmup == "all":
-        return engine.programs, ()
-    first = tuple(p for p in engine.programs if p.rows == 1 and not p.greedy)
-    return first, tuple(p for p in engine.programs if p not in first)
+    minimal: the first (`buckets.programs`: it runs any batch of one request); all: everything
+    first; none: nothing (each compiles when a step first needs it)."""
+    first = {"none": 0, "minimal": 1, "all": len(engine.programs)}[warmup]
+    return engine.programs[:first], engine.programs[first:] if warmup == "minimal" else ()
 
 
 class Warmup:
@@ -56,7 +52,7 @@ class Warmup:
             self._thread = threading.Thread(target=self._run, name="dflash-warmup", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout_s: float = 600.0) -> None:
+    def stop(self, timeout_s: float) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
