@@ -315,9 +315,11 @@ class Engine:
     def _executable(self, program: Program):
         """The compiled step for `program`, compiled now if no engine of these models and
         sizes has compiled it yet."""
-        inputs = self._step_inputs(program.rows, program.tokens)
-        shapes = (*self._argument_shapes, _shape_of(inputs.ints), _shape_of(inputs.floats), inputs.layout,
-                  program.greedy)
+        def shapes():
+            inputs = self._step_inputs(program.rows, program.tokens)
+            return (*self._argument_shapes, _shape_of(inputs.ints), _shape_of(inputs.floats), inputs.layout,
+                    program.greedy)
+
         return self._executables.get(self._key(program), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
@@ -392,7 +394,8 @@ class _Executables:
         self._locks: dict = {}
         self._locks_lock = threading.Lock()
 
-    def get(self, key, shapes):
+    def get(self, key, shapes: Callable[[], tuple]):
+        """The executable for `key`, compiled from the argument shapes `shapes()` if new."""
         executable = self.compiled.get(key)
         if executable is not None:
             return executable
@@ -400,7 +403,7 @@ class _Executables:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
             if key not in self.compiled:
-                self.compiled[key] = self.jitted.lower(*shapes).compile()
+                self.compiled[key] = self.jitted.lower(*shapes()).compile()
         return self.compiled[key]
 
 
