@@ -100,7 +100,8 @@ def main() -> None:
                 if time.perf_counter() > deadline:
                     print(f"{mode} {start}: skipped, past --budget", flush=True)
                     continue
-                run = RUNS[mode](Path(cache), args)
+                load = os.getloadavg()[0]  # a shared machine's other work slows compilation too
+                run = {**RUNS[mode](Path(cache), args), "load_avg_1m_before": load}
                 results["runs"][f"{mode}/{start}"] = run
                 print(f"{mode:8s} {start}: " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                                         for k, v in run.items()), flush=True)
