@@ -37,7 +37,8 @@ def test_serves_while_warming_then_ready(tmp_path):
         yield from programs
 
     server = make_server(engine, ChatTokenizer(tmp_path / "target"), ModelInfo("tiny", 256, 4), max_queue=4,
-                         shutdown_timeout_s=5, log_level="warning", warmup_programs=later, warmup_progress=gated)
+                         shutdown_timeout_s=5, log_level="warning", warmup_programs=later, warmup_progress=gated,
+                         compile_threads=2)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

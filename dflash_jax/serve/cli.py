@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import socket
 import threading
 import time
@@ -60,6 +61,9 @@ def add_parser(subparsers) -> None:
                         "4 in float32, as `demo`)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="compute dtype (default: bfloat16 for the demo pair, else the target's stored dtype)")
+    parser.add_argument("--compile-threads", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                        help="threads compiling step programs in the background (default: a quarter of the "
+                        "CPUs, 1 to 4)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests held at once (running and waiting); beyond it the server answers 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
             engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False), first)
             log.info("compiled %d step programs in %.1f s", len(first), time.perf_counter() - start)
         serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout,
-              warmup_programs=later)
+              warmup_programs=later, compile_threads=args.compile_threads)
     finally:
         sock.close()
 
@@ -179,11 +183,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue: int, shutdown_timeout_s: float,
-          warmup_programs=()):
+          warmup_programs=(), compile_threads: int = 1):
     """Run the HTTP server on `sock` until SIGTERM / SIGINT, compiling `warmup_programs` meanwhile."""
     progress = functools.partial(tqdm, desc="compiling in the background", unit="program", leave=False)
     server = make_server(engine, tokenizer, info, max_queue=max_queue, shutdown_timeout_s=shutdown_timeout_s,
-                         warmup_programs=warmup_programs, warmup_progress=progress)
+                         warmup_programs=warmup_programs, warmup_progress=progress, compile_threads=compile_threads)
     host, port = sock.getsockname()[:2]
     later = f"; {len(warmup_programs)} more step programs compile in the background" if warmup_programs else ""
     log.info("ready: http://%s:%d/v1 serves %s%s", host, port, info.name, later)
@@ -191,7 +195,7 @@ def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue:
 
 
 def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_timeout_s: float,
-                log_level: str = "info", warmup_programs=(), warmup_progress=None):
+                log_level: str = "info", warmup_programs=(), warmup_progress=None, compile_threads: int = 1):
     """A uvicorn.Server over a new app and EngineLoop for `engine` (tests run one in a thread),
     compiling `warmup_programs` in the background once it runs.
 
@@ -205,7 +209,7 @@ def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_
     from dflash_jax.serve.metrics import ServerMetrics
 
     loop = EngineLoop(engine, ServerMetrics(max(info.block_size, 2)), max_open=max_queue)
-    warmup = Warmup(engine, warmup_programs, warmup_progress) if warmup_programs else None
+    warmup = Warmup(engine, warmup_programs, warmup_progress, compile_threads) if warmup_programs else None
     app = create_app(loop, tokenizer, model_name=info.name, max_model_len=info.max_model_len,
                      shutdown_timeout_s=min(shutdown_timeout_s, 5.0), warmup=warmup)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,

@@ -32,12 +32,15 @@ def split_programs(engine: Engine, warmup: str) -> tuple[tuple[Program, ...], tu
 
 
 class Warmup:
-    """Compiles `programs` on a thread of its own; `stop` ends it after the program compiling."""
+    """Compiles `programs` in warm-up order on `threads` threads of its own (XLA compiles
+    without the GIL, so a machine with cores to spare compiles several at once); `stop` ends
+    it after the programs compiling."""
 
     def __init__(self, engine: Engine, programs: Sequence[Program],
-                 progress: Callable[[Iterable], Iterable] | None = None):
+                 progress: Callable[[Iterable], Iterable] | None = None, threads: int = 1):
         self.engine = engine
         self.programs = tuple(programs)
+        self.threads = max(1, threads)
         self._progress = progress or iter
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,14 +62,28 @@ class Warmup:
 
     def _run(self) -> None:
         start = time.perf_counter()
-        try:
-            for program in self._progress(self.programs):
-                if self._stop.is_set():
+        pending, taking = iter(self._progress(self.programs)), threading.Lock()
+        failed = []
+
+        def compile_pending() -> None:
+            while not self._stop.is_set():
+                with taking:
+                    program = next(pending, None)
+                if program is None:
                     return
-                self.engine.precompile(programs=[program])
+                try:
+                    self.engine.precompile(programs=[program])
+                except Exception as err:
+                    log.exception("compiling %s in the background failed; it compiles when a step needs it", program)
+                    failed.append(err)
+
+        workers = [threading.Thread(target=compile_pending, name=f"dflash-warmup-{i}", daemon=True)
+                   for i in range(self.threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        self.engine.admit_within_compiled = False
+        if not self._stop.is_set() and not failed:
             log.info("compiled the remaining %d step programs in %.1f s; all are ready", len(self.programs),
                      time.perf_counter() - start)
-        except Exception:
-            log.exception("compiling step programs in the background failed; the rest compile when a step needs them")
-        finally:
-            self.engine.admit_within_compiled = False
