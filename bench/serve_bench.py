@@ -1,8 +1,8 @@
 """Load test of `dflash-jax serve`: N concurrent streaming chat clients on 127.0.0.1.
 
 For each mode (DFlash, and autoregressive with --no-drafter, in the same run) it starts a
-server subprocess on a free port, waits for /health, and at each concurrency level runs a
-warm-up round (untimed: with --no-precompile it compiles what the level needs) and then
+server subprocess on a free port, waits for /health to say ready, and at each concurrency level runs a
+warm-up round (untimed: with --warmup none it compiles what the level needs) and then
 `--rounds` requests per client. Reported per level: output tokens/s (all completion tokens
 over the level's wall time), time to first token and inter-token latency p50/p99 over
 requests (inter-token latency of a request: (last chunk - first chunk) / (tokens - 1)), and
@@ -13,7 +13,7 @@ cost at concurrency 1 reads as a ratio. Writes JSON to --out.
 
     python bench/serve_bench.py --out bench/results/raw/serve.json              # H200: demo pair, 1/4/16/64
     python bench/serve_bench.py --concurrency 1,4 --rounds 2 --max-tokens 32 \\
-        --server-args "--dtype float32 --max-num-reqs 4 --max-num-tokens 32 --max-model-len 512 --no-precompile" \\
+        --server-args "--dtype float32 --max-num-reqs 4 --max-num-tokens 32 --max-model-len 512 --warmup none" \\
         --out /tmp/serve-cpu.json                                                # a small CPU run
 """
 
@@ -87,10 +87,13 @@ def main() -> None:
 
 
 class Server:
-    """`dflash-jax serve` in a subprocess on a free port, stopped with SIGTERM on exit."""
+    """`dflash-jax serve` in a subprocess on a free port, stopped with SIGTERM on exit;
+    `accepting_s`: seconds until it answered /health, `startup_s`: until /health said ready
+    (every step program compiled)."""
 
-    def __init__(self, flags: list[str], startup_timeout: float):
-        self.flags, self.startup_timeout = flags, startup_timeout
+    def __init__(self, flags: list[str], startup_timeout: float, poll_s: float = 1.0):
+        self.flags, self.startup_timeout, self.poll_s = flags, startup_timeout, poll_s
+        self.accepting_s: float | None = None
 
     def __enter__(self):
         with socket.socket() as probe:
@@ -107,11 +110,14 @@ class Server:
                 self.process.kill()
                 raise SystemExit(f"the server was not ready after {self.startup_timeout:.0f} s")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
+                health = httpx.get(self.url + "/health", timeout=5)
             except httpx.TransportError:
-                pass  # not listening yet: it compiles before it accepts connections
-            time.sleep(1)
+                health = None  # not listening yet: it compiles what one request needs first
+            if health is not None and health.status_code == 200:
+                self.accepting_s = self.accepting_s or time.perf_counter() - start
+                if health.json()["status"] == "ready":  # not "warming": every step program is compiled
+                    break
+            time.sleep(self.poll_s)
         self.startup_s = time.perf_counter() - start
         return self
 

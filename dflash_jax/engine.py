@@ -2,7 +2,7 @@
 
 Requests arrive and leave at any step. Each step the `Scheduler` picks a ragged batch
 (prefill chunks and 1 + N verify rows side by side, within a token budget), `StepInputs`
-pads it to power-of-two buckets, and one jitted program runs it: verify rows filled from the
+pads it to one of a few static shapes (`buckets`), and one compiled program runs it: verify rows filled from the
 device state, then `cycle.speculative_cycle`. Drafts and their distributions stay on the
 device, indexed by request slot, and so do each request's anchor token and position.
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
+from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
 from dflash_jax.flat_models import flatten_models, unflatten_models
@@ -138,11 +138,22 @@ class Engine:
             kernels=kernels.resolve(),
             greedy=False,  # set per program: `_step_program`'s `greedy`
         )
-        self._step_program = _step_program(treedefs, cfg)
+        self._executables = _executables(treedefs, cfg)
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)), with_draft_probs=True,
         )
+        # Shapes of the arguments every program takes: programs compile from these alone, on
+        # any thread, while steps donate and replace the arrays themselves.
+        self._argument_shapes = jax.tree.map(_shape_of, (self._param_leaves(), self._state))
+        self._argument_shapes_key = (jax.tree.structure(self._argument_shapes), *jax.tree.leaves(self._argument_shapes))
+        self._keys: dict[Program, tuple] = {}
+        self.programs: tuple[Program, ...] = tuple(programs(
+            max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=1 + self.num_drafts))
+        # While another thread precompiles (a server warming up): admit only as many requests
+        # as compiled programs hold, and run each batch on the smallest compiled program that
+        # holds it until its own is compiled, so no step waits for a compilation.
+        self.admit_within_compiled = False
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._async_scheduling = async_scheduling
@@ -222,6 +233,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Launch one scheduled batch; returns the new tokens of every request that advanced:
         in the step before this one with asynchronous scheduling, in this one without."""
+        self.scheduler.max_running = self._admissible_rows() if self.admit_within_compiled else self.max_num_reqs
         work = self.scheduler.schedule()
         launched = self._launch(work) if work else None
         if launched is None and self.scheduler.running and self._launched is None:
@@ -232,23 +244,24 @@ class Engine:
         previous, self._launched = self._launched, launched
         return self._commit(previous) if previous else []
 
-    def precompile(self, progress: Callable[[Iterable], Iterable] | None = None) -> int:
-        """Compile every step program up front, for each (rows, tokens) bucket a greedy and a
-        sampling one, by running inert batches through them (every write of an inert batch is
-        dropped); returns how many programs there are. `progress` wraps the programs' iterable
-        (e.g. `functools.partial(tqdm, desc=...)`) to show how far it is."""
-        buckets = sorted({
-            (next_pow2(num_rows), self._token_bucket(num_tokens, num_rows))
-            for num_rows in range(1, self.max_num_reqs + 1)
-            for num_tokens in range(num_rows, self.max_num_tokens + 1)
-        })
-        programs = [(rows, tokens, greedy) for rows, tokens in buckets for greedy in (True, False)]
-        leaves = self._param_leaves()
-        for num_rows, num_tokens, greedy in (progress or iter)(programs):
-            inert = self._step_inputs(num_rows, num_tokens)
-            self._state, _ = self._step_program(leaves, self._state, inert.ints, inert.floats, inert.layout, greedy)
-        jax.block_until_ready(self._state)
+    def precompile(self, progress: Callable[[Iterable], Iterable] | None = None,
+                   programs: Sequence[Program] | None = None) -> int:
+        """Compile the step programs (`programs`, default all of `self.programs`) up front;
+        returns how many. `progress` wraps the programs' iterable (e.g.
+        `functools.partial(tqdm, desc=...)`) to show how far it is. Safe to call from another
+        thread while this one steps: a program that thread needs and that is compiling here
+        is waited for, not compiled twice."""
+        programs = self.programs if programs is None else programs
+        for program in (progress or iter)(programs):
+            self._executable(program)
         return len(programs)
+
+    def is_compiled(self, program: Program) -> bool:
+        return self._key(program) in self._executables.compiled
+
+    def num_compiled(self) -> int:
+        """How many of `self.programs` are compiled (by this engine or one of the same models and sizes)."""
+        return sum(map(self.is_compiled, self.programs))
 
     @staticmethod
     def num_traces() -> int:
@@ -257,10 +270,6 @@ class Engine:
 
     # ---- launch and commit --------------------------------------------------------------
 
-    def _token_bucket(self, num_tokens: int, num_rows: int) -> int:
-        """Static token count of a batch: a power of two, at least 8 rows unless the budget is smaller."""
-        return min(max(next_pow2(num_tokens), 8, next_pow2(num_rows)), self.max_num_tokens)
-
     def _step_inputs(self, num_rows: int, num_tokens: int) -> StepInputs:
         return StepInputs(num_rows=num_rows, num_tokens=num_tokens, num_query=1 + self.num_drafts,
                           pages_per_req=self.pages_per_req, max_num_reqs=self.max_num_reqs,
@@ -268,13 +277,50 @@ class Engine:
 
     def _launch(self, work: list[Work]) -> _Launched:
         """Run the step program on `work` (asynchronously: nothing is read back here)."""
-        inputs = self._step_inputs(next_pow2(len(work)), self._token_bucket(sum(w.rows for w in work), len(work)))
+        program = self._program_for(work)
+        inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         ints, floats = jax.device_put((inputs.ints, inputs.floats))
-        self._state, committed_RP = self._step_program(self._param_leaves(), self._state, ints, floats,
-                                                       inputs.layout, inputs.greedy)
+        self._state, committed_RP = self._executable(program)(self._param_leaves(), self._state, ints, floats)
         self.scheduler.launched(work)
         return _Launched(work, committed_RP)
+
+    def _program_for(self, work: list[Work]) -> Program:
+        """The batch's own program; while warming up, if that is not compiled yet, the smallest
+        compiled one that holds the batch (same tokens, more padding)."""
+        greedy = all(w.request.params.temperature == 0 for w in work)
+        num_rows, num_tokens = len(work), sum(w.rows for w in work)
+        program = program_for(num_rows, num_tokens, greedy, max_num_tokens=self.max_num_tokens,
+                              num_query=1 + self.num_drafts)
+        if self.admit_within_compiled and not self.is_compiled(program):
+            compiled = [p for p in self.programs if self.is_compiled(p) and holds(p, num_rows, num_tokens, greedy)]
+            return min(compiled, key=lambda p: (p.rows * p.tokens, not p.greedy), default=program)
+        return program
+
+    def _admissible_rows(self) -> int:
+        """The most requests that a compiled program holds whatever they run: the rows of the
+        largest compiled sampling program at the token budget (at least 1, which then
+        compiles on demand)."""
+        return max((p.rows for p in self.programs if not p.greedy and p.tokens == self.max_num_tokens
+                    and self.is_compiled(p)), default=1)
+
+    def _key(self, program: Program):
+        """What identifies `program`'s executable among those of engines of these models."""
+        key = self._keys.get(program)
+        if key is None:
+            layout = self._step_inputs(program.rows, program.tokens).layout
+            key = self._keys[program] = (self._argument_shapes_key, layout, program.greedy)
+        return key
+
+    def _executable(self, program: Program):
+        """The compiled step for `program`, compiled now if no engine of these models and
+        sizes has compiled it yet."""
+        def shapes():
+            inputs = self._step_inputs(program.rows, program.tokens)
+            return (*self._argument_shapes, _shape_of(inputs.ints), _shape_of(inputs.floats), inputs.layout,
+                    program.greedy)
+
+        return self._executables.get(self._key(program), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them; outputs of
@@ -333,12 +379,41 @@ class Engine:
         return flatten_models(self._models)[1]
 
 
+def _shape_of(array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, weak_type=getattr(array, "weak_type", False),
+                                sharding=getattr(array, "sharding", None))
+
+
+class _Executables:
+    """The compiled step programs of one jitted step, by (argument shapes, static layout,
+    greedy); each compiled once even when two threads ask for it at the same time."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+        self.compiled: dict = {}
+        self._locks: dict = {}
+        self._locks_lock = threading.Lock()
+
+    def get(self, key, shapes: Callable[[], tuple]):
+        """The executable for `key`, compiled from the argument shapes `shapes()` if new."""
+        executable = self.compiled.get(key)
+        if executable is not None:
+            return executable
+        with self._locks_lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self.compiled:
+                self.compiled[key] = self.jitted.lower(*shapes()).compile()
+        return self.compiled[key]
+
+
 @functools.lru_cache(maxsize=None)
-def _step_program(treedefs, cfg: CycleConfig):
-    """The jitted step of engines with these models' structures and cycle configuration,
-    made once per (treedefs, cfg): engines of one model share its compiled programs.
-    Parameters travel as flat lists of arrays (`flat_models`): no graph hashing or pytree
-    flattening per step."""
+def _executables(treedefs, cfg: CycleConfig) -> _Executables:
+    """The step of engines with these models' structures and cycle configuration, made once
+    per (treedefs, cfg): engines of one model share its compiled programs. Each program is
+    compiled ahead of time from argument shapes (`Engine.precompile` may run on another
+    thread than the steps). Parameters travel as flat lists of arrays (`flat_models`): no
+    graph hashing or pytree flattening per step."""
 
     def step(param_leaves, state, ints, floats, layout, greedy):
         _traces[0] += 1
@@ -353,4 +428,4 @@ def _step_program(treedefs, cfg: CycleConfig):
                                      committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
         return state, packed_RP
 
-    return jax.jit(step, donate_argnums=1, static_argnums=(4, 5))
+    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(4, 5)))

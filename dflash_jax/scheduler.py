@@ -92,6 +92,7 @@ class Scheduler:
         self.allocator = allocator
         self.window_allocators = window_allocators  # one per windowed drafter cache group
         self.windows = windows  # their windows
+        self.max_running = max_num_reqs  # requests admitted at most (the Engine lowers it while warming up)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -108,7 +109,7 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         """This step's work: running requests first (verify rows), then admissions; prefill
         takes what is left of the token budget."""
-        while self.waiting and len(self.running) < self.max_num_reqs:
+        while self.waiting and len(self.running) < self.max_running:
             request = self.waiting.popleft()
             request.status, request.slot = Status.RUNNING, self._free_slots.pop()
             self.running.append(request)

@@ -71,11 +71,6 @@ class StepInputs:
     def _shape(letters: str, sizes) -> tuple[int, ...]:
         return (sizes[letters],) if letters in sizes else tuple(sizes[letter] for letter in letters)
 
-    @property
-    def greedy(self) -> bool:
-        """Every row at temperature 0 (padding rows are): the step's greedy program."""
-        return not self.temperature.any()
-
     def fill(self, work: list[Work], num_query: int) -> None:
         """Rows for `work`, in order: each request's tokens (a prefill chunk) or blank verify
         rows, its pages and its sampling parameters."""

@@ -266,10 +266,24 @@ def test_tight_cache_serves_to_the_end(models):
     assert engine.output(request_id) == expected
 
 
+def test_warming_engine_admits_within_its_compiled_programs(models):
+    """While the rest compile elsewhere (a server warming up), an engine with only its first
+    program (one request at the token budget, sampling) runs requests one at a time, decode
+    and greedy steps on that program too: no step compiles, and the answers are exact."""
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=2, max_num_tokens=64)
+    assert engine.precompile(programs=engine.programs[:1]) == 1 and engine.num_compiled() == 1
+    engine.admit_within_compiled = True
+    traces = Engine.num_traces()
+    ids = run(engine, PROMPTS[:3], SamplingParams(max_new_tokens=20))
+    assert [engine.output(i) for i in ids] == reference[:3]
+    assert Engine.num_traces() == traces and engine.num_compiled() == 1
+
+
 def test_precompile_covers_budgets_below_eight_tokens(models):
     target, drafters, _ = models
     engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4)
-    assert engine.precompile() >= 1
+    assert engine.precompile() == len(engine.programs) == 2
     traces = Engine.num_traces()
     engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=6))
     while engine.has_unfinished():

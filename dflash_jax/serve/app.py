@@ -26,6 +26,7 @@ from dflash_jax.serve import protocol
 from dflash_jax.serve.detokenize import IncrementalDetokenizer
 from dflash_jax.serve.engine_loop import EngineLoop, Finished, RequestHandle
 from dflash_jax.serve.protocol import ChatRequest, CompletionRequest, RequestError
+from dflash_jax.serve.warmup import Warmup
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -42,14 +43,19 @@ class _EngineFailed(Exception):
 
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: int,
-               shutdown_timeout_s: float = 30.0) -> FastAPI:
-    """An app serving `loop`'s Engine under `model_name`; its lifespan starts and stops the loop."""
+               shutdown_timeout_s: float = 30.0, warmup: Warmup | None = None) -> FastAPI:
+    """An app serving `loop`'s Engine under `model_name`; its lifespan starts and stops the
+    loop, and `warmup` (the step programs compiled in the background) if given."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loop.start()
+        if warmup is not None:
+            warmup.start()
         log.info("serving %s", model_name)
         yield
+        if warmup is not None:
+            warmup.stop(shutdown_timeout_s)  # waits for the program compiling, if any
         loop.stop(shutdown_timeout_s)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -93,8 +99,11 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
             return JSONResponse({"status": "error", "error": str(loop.crashed)}, status_code=503)
         if loop.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ready", "model": model_name, "open_requests": loop.num_open,
-                "step_failures": loop.step_failures}
+        engine = loop.engine
+        status = "warming" if warmup is not None and warmup.running else "ready"
+        return {"status": status, "model": model_name, "open_requests": loop.num_open,
+                "step_failures": loop.step_failures, "programs_ready": engine.num_compiled(),
+                "programs_total": len(engine.programs)}
 
     @app.get("/metrics")
     async def metrics():

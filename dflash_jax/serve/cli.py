@@ -2,8 +2,9 @@
 
 Start-up checks everything that can be wrong before the port is bound (flags, models,
 tokenizer, Engine sizes: any of them stops it with one line and exit code 2), binds the port
-without listening, compiles every step program, and only then accepts connections: the first
-request never waits for compilation. SIGTERM or Ctrl-C stops accepting, lets the requests in
+without listening, compiles one step program that runs any one request (`--warmup minimal`;
+`all` compiles every one first), and only then accepts connections: the first request never
+waits for compilation. The other programs compile in the background (`warmup`). SIGTERM or Ctrl-C stops accepting, lets the requests in
 flight finish for up to --shutdown-timeout seconds, aborts the rest and exits.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_jax.compile_cache import add_cache_arguments
+from dflash_jax.serve.warmup import WARMUP_CHOICES, Warmup, split_programs
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -58,12 +61,17 @@ def add_parser(subparsers) -> None:
                         "4 in float32, as `demo`)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="compute dtype (default: bfloat16 for the demo pair, else the target's stored dtype)")
+    parser.add_argument("--compile-threads", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                        help="threads compiling step programs in the background (default: a quarter of the "
+                        "CPUs, 1 to 4)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests held at once (running and waiting); beyond it the server answers 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds that requests in flight get to finish on SIGTERM")
-    parser.add_argument("--no-precompile", action="store_true",
-                        help="start without compiling the step programs (the first requests then compile them)")
+    parser.add_argument("--warmup", choices=WARMUP_CHOICES, default="minimal",
+                        help="step programs compiled before the port opens: minimal (one that runs any one request; "
+                        "the rest compile in the background while /health says warming), all, or none (each "
+                        "compiles when a step first needs it)")
     add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -75,13 +83,15 @@ def run(args: argparse.Namespace) -> None:
     sock = bind(args.host, args.port)
     kind = f"DFlash, block size {info.block_size}" if info.block_size > 1 else "autoregressive"
     log.info("loaded %s (%s, max length %d)", info.name, kind, info.max_model_len)
+    first, later = split_programs(engine, args.warmup)
     try:
-        if not args.no_precompile:
+        if first:
             start = time.perf_counter()
-            log.info("compiling the step programs")
-            count = engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False))
-            log.info("compiled %d step programs in %.1f s", count, time.perf_counter() - start)
-        serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout)
+            log.info("compiling %d of %d step programs before accepting requests", len(first), len(engine.programs))
+            engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False), first)
+            log.info("compiled %d step programs in %.1f s", len(first), time.perf_counter() - start)
+        serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout,
+              warmup_programs=later, compile_threads=args.compile_threads)
     finally:
         sock.close()
 
@@ -172,17 +182,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue: int, shutdown_timeout_s: float):
-    """Run the HTTP server on `sock` until SIGTERM / SIGINT."""
-    server = make_server(engine, tokenizer, info, max_queue=max_queue, shutdown_timeout_s=shutdown_timeout_s)
+def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue: int, shutdown_timeout_s: float,
+          warmup_programs=(), compile_threads: int = 1):
+    """Run the HTTP server on `sock` until SIGTERM / SIGINT, compiling `warmup_programs` meanwhile."""
+    progress = functools.partial(tqdm, desc="compiling in the background", unit="program", leave=False)
+    server = make_server(engine, tokenizer, info, max_queue=max_queue, shutdown_timeout_s=shutdown_timeout_s,
+                         warmup_programs=warmup_programs, warmup_progress=progress, compile_threads=compile_threads)
     host, port = sock.getsockname()[:2]
-    log.info("ready: http://%s:%d/v1 serves %s", host, port, info.name)
+    later = f"; {len(warmup_programs)} more step programs compile in the background" if warmup_programs else ""
+    log.info("ready: http://%s:%d/v1 serves %s%s", host, port, info.name, later)
     server.run(sockets=[sock])
 
 
 def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_timeout_s: float,
-                log_level: str = "info"):
-    """A uvicorn.Server over a new app and EngineLoop for `engine` (tests run one in a thread).
+                log_level: str = "info", warmup_programs=(), warmup_progress=None, compile_threads: int = 1):
+    """A uvicorn.Server over a new app and EngineLoop for `engine` (tests run one in a thread),
+    compiling `warmup_programs` in the background once it runs.
 
     On SIGTERM uvicorn closes the listening socket and gives open connections
     shutdown_timeout_s to finish (the Engine keeps stepping for them); the app's shutdown then
@@ -194,8 +209,9 @@ def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_
     from dflash_jax.serve.metrics import ServerMetrics
 
     loop = EngineLoop(engine, ServerMetrics(max(info.block_size, 2)), max_open=max_queue)
+    warmup = Warmup(engine, warmup_programs, warmup_progress, compile_threads) if warmup_programs else None
     app = create_app(loop, tokenizer, model_name=info.name, max_model_len=info.max_model_len,
-                     shutdown_timeout_s=min(shutdown_timeout_s, 5.0))
+                     shutdown_timeout_s=min(shutdown_timeout_s, 5.0), warmup=warmup)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,
                             access_log=False)
     return _uvicorn_server()(config, loop)
