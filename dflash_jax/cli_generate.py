@@ -39,6 +39,7 @@ def add_parser(subparsers) -> None:
                         help="compute dtype of both models (default: the target's stored dtype; bfloat16 is "
                         "faster on GPUs and, for SmolLM2-135M, on a 2-core CPU too; float32 is where DFlash's greedy "
                         "tokens always equal autoregressive decoding's)")
+    add_draft_sampling_argument(parser)
     add_kernels_argument(parser)
     add_cache_arguments(parser)
     parser.add_argument(
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> None:
         with quiet_checkpoint_reads():
             drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
         decode = functools.partial(dflash_jax.generate, target, drafter, prompts, block_size=args.block_size,
-                                   draft_block_size=args.draft_block_size, **sampling)
+                                   draft_block_size=args.draft_block_size, draft_sampling=args.draft_sampling,
+                                   **sampling)
     else:
         decode = functools.partial(dflash_jax.generate_autoregressive, target, prompts, **sampling)
     if args.warmup:
@@ -80,6 +82,18 @@ def run(args: argparse.Namespace) -> None:
         print(tokenizer.decode(token_ids) if tokenizer else ",".join(map(str, token_ids)))
         print()
     print(stats_line(result, compiled_in=not args.warmup))
+
+
+def add_draft_sampling_argument(parser) -> None:
+    """--draft-sampling, for every command that decodes with a drafter."""
+    from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, DRAFT_SAMPLING
+
+    parser.add_argument(
+        "--draft-sampling", choices=DRAFT_SAMPLING, default=DEFAULT_DRAFT_SAMPLING,
+        help="how sampled requests (temperature > 0) propose drafts: 'sample' draws each from the drafter's "
+        "distribution, 'argmax' takes its most likely tokens; the output follows the target's distribution "
+        f"either way, and greedy decoding is the same with both (default: {DEFAULT_DRAFT_SAMPLING})",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -45,6 +45,16 @@ class CycleConfig:
     layer_ids: tuple[int, ...]  # target layers whose outputs are the drafter's features
     kernels: Kernels  # resolved: no "auto"
     greedy: bool  # every row at temperature 0: sampling compiles to argmaxes, draft_probs unused
+    draft_sampling: str  # how sampled rows propose drafts: "sample" or "argmax" (`sampling.DRAFT_SAMPLING`)
+
+    @property
+    def argmax_drafts(self) -> bool:
+        return self.draft_sampling == "argmax"
+
+    @property
+    def keeps_draft_probs(self) -> bool:
+        """Whether verification reads q: only sampled drafts need it (a one-hot q is implied)."""
+        return not self.greedy and not self.argmax_drafts
 
 
 @functools.partial(
@@ -59,22 +69,22 @@ class DecodeState:
     target_cache: PagedKVCache  # the target's K/V, every layer, all slots' pages
     draft_caches: tuple[PagedKVCache, ...]  # the drafter's K/V, one cache per group (DraftCacheGroups)
     drafts_SN: jax.Array  # int32 [S, N]: the drafts the slot's next verify checks
-    draft_probs_SNV: jax.Array  # float32 [S, N, V]: the drafter's q for them (sampled rows; V may be 0 if none)
+    draft_probs_SNV: jax.Array  # float32 [S, N, V]: the drafter's q for them (V is 0 unless cfg.keeps_draft_probs)
     anchor_S: jax.Array  # int32 [S]: the last committed token, not yet in the caches (verify row 0)
     anchor_pos_S: jax.Array  # int32 [S]: its position
 
     @classmethod
     def zeros(cls, models, cfg: CycleConfig, *, num_slots: int, page_size: int, target_pages: int,
-              draft_pages: tuple[int, ...], with_draft_probs: bool) -> DecodeState:
+              draft_pages: tuple[int, ...]) -> DecodeState:
         """An empty state: caches of `target_pages` (and per drafter group `draft_pages`)
-        pages; draft probabilities only `with_draft_probs` (a program that samples)."""
+        pages; draft probabilities only if `cfg.keeps_draft_probs`."""
         target = models[0]
         draft_caches = ()
         if cfg.num_drafts:
             groups = DraftCacheGroups.for_drafter(models[1].cfg)
             draft_caches = tuple(PagedKVCache.for_model(models[1], len(layers), pages, page_size)
                                  for layers, pages in zip(groups.layers, draft_pages))
-        vocab = target.cfg.vocab_size if with_draft_probs else 0
+        vocab = target.cfg.vocab_size if cfg.keeps_draft_probs else 0
         return cls(
             target_cache=PagedKVCache.for_model(target, target.cfg.num_layers, target_pages, page_size),
             draft_caches=draft_caches,
@@ -239,9 +249,9 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             num_drafts_R = jnp.where(batch.verifying_R, drafts_to_verify(batch.remaining_R, n), 0)
             tokens_RQ, accepted_R = sampling.rejection_sample(
                 logits_RQV, slot_rows(state.drafts_SN, batch.slots_R),
-                None if cfg.greedy else slot_rows(state.draft_probs_SNV, batch.slots_R),
+                slot_rows(state.draft_probs_SNV, batch.slots_R) if cfg.keeps_draft_probs else None,
                 num_drafts_R, p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R, batch.anchor_pos_R,
-                greedy=cfg.greedy,
+                greedy=cfg.greedy, argmax_drafts=cfg.argmax_drafts,
             )
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RX)
     samples_R = batch.remaining_R > 0
@@ -269,12 +279,13 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         )
         with jax.named_scope("sample_drafts"):
             drafts_RN, probs_RNV = sampling.sample_drafts(draft_logits_RNV, p.temperature_R, p.top_k_R, p.top_p_R,
-                                                          p.seeds_R, next_anchor_pos_R, greedy=cfg.greedy)
+                                                          p.seeds_R, next_anchor_pos_R, greedy=cfg.greedy,
+                                                          argmax=cfg.argmax_drafts)
         state = dataclasses.replace(
             state,
             draft_caches=draft_caches,
             drafts_SN=with_slot_rows(state.drafts_SN, batch.slots_R, drafts_RN),
-            draft_probs_SNV=state.draft_probs_SNV if cfg.greedy else with_slot_rows(state.draft_probs_SNV, batch.slots_R,
-                                                                                 probs_RNV),
+            draft_probs_SNV=with_slot_rows(state.draft_probs_SNV, batch.slots_R, probs_RNV) if cfg.keeps_draft_probs
+            else state.draft_probs_SNV,
         )
     return state, Committed(tokens_RQ, count_R, stopped_R)

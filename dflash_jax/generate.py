@@ -27,6 +27,7 @@ from dflash_jax.requests import (
     SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
     resolve_draft_block_size, stop_id_array,
 )
+from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.steps import TargetBatch
 from pallas_kernels.common import next_pow2
 
@@ -67,6 +68,7 @@ def generate(
     draft_block_size: int | None = None,
     page_size: int = 16,
     kernels: Kernels = Kernels(),
+    draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists).
 
@@ -77,12 +79,16 @@ def generate(
     drafting the trained block keeps the drafter in its training regime, and
     draft_block_size=block_size drafts only the verified block, as vLLM and z-lab do.
     kernels: which implementation runs each kernel (`Kernels`; "auto": Pallas on a GPU).
+    draft_sampling: how sampled requests propose drafts, "sample" (drawn from the drafter's
+    distribution) or "argmax" (its most likely tokens); either way the output follows the
+    target's distribution (`sampling`). Greedy requests propose argmaxes regardless.
     """
     check_drafter_fits_target(target.cfg, drafter.cfg)
+    check_draft_sampling(draft_sampling)
     block_size = resolve_block_size(drafter.cfg, block_size)
     draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-    return _run(target, drafter, prompts, params, block_size - 1, draft_block_size, page_size, kernels)
+    return _run(target, drafter, prompts, params, block_size - 1, draft_block_size, page_size, kernels, draft_sampling)
 
 
 def generate_autoregressive(
@@ -101,7 +107,7 @@ def generate_autoregressive(
 ) -> GenerateResult:
     """Plain one-token-per-step decoding through the same cycle: the baseline."""
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-    return _run(target, None, prompts, params, 0, 1, page_size, kernels)
+    return _run(target, None, prompts, params, 0, 1, page_size, kernels, DEFAULT_DRAFT_SAMPLING)
 
 
 def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids) -> dict:
@@ -123,7 +129,8 @@ def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_toke
     return dataclasses.asdict(params)
 
 
-def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, page_size, kernels) -> GenerateResult:
+def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, page_size, kernels,
+         draft_sampling) -> GenerateResult:
     start = time.perf_counter()  # elapsed_s: the whole call, as its caller waits for it
     page_size = check_count("page_size", page_size)
     params["stop_token_ids"] = tuple(check_stop_token_ids(params["stop_token_ids"], target.cfg.vocab_size))
@@ -151,6 +158,7 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
         layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
         kernels=kernels.resolve(),
         greedy=params["temperature"] == 0,
+        draft_sampling=draft_sampling,
     )
     sampling_rows = SamplingRows(
         temperature_R=np.full((num_reqs,), params["temperature"], np.float32),
@@ -252,7 +260,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     draft_groups = DraftCacheGroups.for_drafter(models[1].cfg).layers if cfg.num_drafts else ()
     # Caches are born inside the program: nothing to transfer or donate.
     state = DecodeState.zeros(models, cfg, num_slots=num_reqs, page_size=page_size, target_pages=num_pages,
-                              draft_pages=(num_pages,) * len(draft_groups), with_draft_probs=not cfg.greedy)
+                              draft_pages=(num_pages,) * len(draft_groups))
     zeros_R = jnp.zeros((num_reqs,), jnp.int32)
     prompt_lens_R = prefill.query_start_loc[1:] - prefill.query_start_loc[:-1]
     # Every request owns its pages for the whole run: each drafter cache group uses the same

@@ -22,6 +22,15 @@ at positions <= t - 1 for its decisions, and the next cycle's decisions use keys
 cycle drew but never examined (drafts past the first rejection) may be drawn again later,
 which is harmless since nothing depended on them.
 
+Drafts are proposed one of two ways (`DRAFT_SAMPLING`, a static choice of the caller):
+"sample" draws draft j from the drafter's processed distribution q_j, "argmax" proposes the
+drafter's most likely token at every row. DFlash fills a block in one parallel pass, so
+independent draws per position need not hang together, while the argmax block is the
+drafter's best guess as a whole. An argmax proposal is a draw from a one-hot q, so the same
+test stays exact: draft x is accepted with probability p(x), and on rejection the token comes
+from p with x removed, renormalized. No q is stored for it; a draft outside the support of
+the target's truncated p has p(x) = 0 and is always rejected.
+
 When every row is greedy, each function takes an argmax-only path with the same result. A
 runtime check picks it (`lax.cond`), which on a GPU costs a device-to-host copy of the
 predicate and a stall per call; a caller that knows on the host that every row is greedy
@@ -41,6 +50,17 @@ from jax import lax
 DRAFT_STREAM = 0
 TARGET_STREAM = 1
 ACCEPT_STREAM = 2
+
+DRAFT_SAMPLING = ("sample", "argmax")
+DEFAULT_DRAFT_SAMPLING = "sample"
+
+
+def check_draft_sampling(draft_sampling) -> str:
+    """Raise ValueError unless `draft_sampling` is one of DRAFT_SAMPLING."""
+    if not isinstance(draft_sampling, str) or draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {', '.join(map(repr, DRAFT_SAMPLING))}, "
+                         f"got {draft_sampling!r}.")
+    return draft_sampling
 
 
 def validate_sampling_params(temperature, top_k, top_p) -> None:
@@ -277,18 +297,21 @@ def sample_target(logits_RV, temperature_R, top_k_R, top_p_R, seeds_R, positions
     return greedy_only() if greedy else lax.cond(jnp.all(temperature_R == 0), greedy_only, general)
 
 
-def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R, *, greedy: bool = False):
+def sample_drafts(draft_logits_RNV, temperature_R, top_k_R, top_p_R, seeds_R, positions_R, *, greedy: bool = False,
+                  argmax: bool = False):
     """(draft_tokens_RN, draft_probs_RNV): draft j is drawn from q at draft row j.
 
     `positions_R` is the anchor's position (as in `rejection_sample`): draft j sits at
     positions_R + 1 + j and is keyed (DRAFT_STREAM, positions_R + j). When every row is
     greedy this is an argmax (no softmax, no draws), with the same result. `greedy=True`
     compiles that argmax alone and returns None for the probabilities, which greedy
-    verification does not read.
+    verification does not read. `argmax=True` ("argmax" draft sampling) proposes that
+    argmax for every row, sampled or not, and also returns None: `rejection_sample` with
+    `argmax_drafts=True` needs no q.
     """
     draft_logits_RNV, temperature_R = jnp.asarray(draft_logits_RNV), jnp.asarray(temperature_R)
     num_drafts, vocab = draft_logits_RNV.shape[1:]
-    if greedy:
+    if greedy or argmax:
         return jnp.argmax(draft_logits_RNV, axis=-1).astype(jnp.int32), None
 
     def greedy_only():  # one-hot probabilities: both branches return the same structure
@@ -319,6 +342,7 @@ def rejection_sample(
     positions_R,
     *,
     greedy: bool = False,
+    argmax_drafts: bool = False,
 ):
     """Speculative verification: (tokens_RS int32, num_accepted_R int32).
 
@@ -344,6 +368,10 @@ def rejection_sample(
     When every row is greedy the softmax over V and the random draws are skipped; greedy
     rows give the same result on either path. `greedy=True` compiles that path alone, and
     `draft_probs_RNV` may then be None.
+
+    `argmax_drafts=True`: the drafts are the drafter's argmaxes, q one-hot at each draft, and
+    `draft_probs_RNV` is not read (pass None). Then min(1, p(x)/q(x)) = p(x) and max(p - q, 0)
+    is p without the rejected draft: the same tokens as passing q = one_hot(drafts).
     """
     target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R = (
         jnp.asarray(x) for x in (target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R)
@@ -352,7 +380,8 @@ def rejection_sample(
     n = num_verify - 1
     draft_probs_RNV = None if draft_probs_RNV is None else jnp.asarray(draft_probs_RNV)
     probs_shape = None if draft_probs_RNV is None else draft_probs_RNV.shape
-    if n < 1 or draft_tokens_RN.shape != (num_rows, n) or (probs_shape != (num_rows, n, vocab) and not greedy):
+    needs_q = not (greedy or argmax_drafts)
+    if n < 1 or draft_tokens_RN.shape != (num_rows, n) or (probs_shape != (num_rows, n, vocab) and needs_q):
         raise ValueError(
             f"rejection_sample needs target logits [R, N+1, V] with N >= 1, draft tokens [R, N] and "
             f"draft probs [R, N, V]; got {target_logits_RSV.shape}, {draft_tokens_RN.shape}, {probs_shape}."
@@ -370,14 +399,22 @@ def rejection_sample(
     def general():
         p_RSV = processed_probs(target_logits_RSV, temperature_R, top_k_R, top_p_R)
         p_draft_RN = jnp.take_along_axis(p_RSV[:, :n], draft_tokens_RN[..., None], axis=-1)[..., 0]
-        q_draft_RN = jnp.take_along_axis(draft_probs_RNV, draft_tokens_RN[..., None], axis=-1)[..., 0]
+        if argmax_drafts:
+            q_draft_RN = jnp.ones(draft_tokens_RN.shape, jnp.float32)
+        else:
+            q_draft_RN = jnp.take_along_axis(draft_probs_RNV, draft_tokens_RN[..., None], axis=-1)[..., 0]
         keys_RN = draw_keys(seeds_R[:, None], positions_R[:, None] + jnp.arange(n), ACCEPT_STREAM)
         u_RN = jax.vmap(jax.random.uniform)(keys_RN.reshape(-1)).reshape(num_rows, n)
         accept_RN = jnp.where(greedy_R[:, None], greedy_accept_RN, u_RN * q_draft_RN < p_draft_RN)
         accepted_R = _leading_true(accept_RN & valid_RN)
 
         p_RV = p_RSV[rows_R, accepted_R]
-        residual_RV = jnp.maximum(p_RV - draft_probs_RNV[rows_R, jnp.minimum(accepted_R, n - 1)], 0.0)
+        rejected_at_R = jnp.minimum(accepted_R, n - 1)
+        if argmax_drafts:
+            rejected_RV = jnp.arange(vocab) == draft_tokens_RN[rows_R, rejected_at_R][:, None]
+            residual_RV = jnp.where(rejected_RV, 0.0, p_RV)
+        else:
+            residual_RV = jnp.maximum(p_RV - draft_probs_RNV[rows_R, rejected_at_R], 0.0)
         use_residual_R = (accepted_R < num_drafts_R) & (residual_RV.sum(-1) > 0)
         weights_RV = jnp.where(use_residual_R[:, None], residual_RV, p_RV)
         sampled_R = sample_tokens(weights_RV, seeds_R, positions_R + accepted_R, TARGET_STREAM)

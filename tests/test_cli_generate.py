@@ -87,6 +87,20 @@ def test_generate_dtype(models_dir, capsys, monkeypatch):
     assert out.splitlines()[0] == ChatTokenizer(target).decode(expected.token_ids[0])
 
 
+def test_generate_draft_sampling(models_dir, capsys):
+    """--draft-sampling reaches generate; the seeded answer is generate's."""
+    argv = ["generate", "--target", models_dir / "target", "--drafter", models_dir / "drafter", "--prompt-ids",
+            "2,4,5,3", "--max-new-tokens", "8", "--temperature", "0.9", "--seed", "3", "--draft-sampling", "argmax"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    expected = dflash_jax.generate(dflash_jax.load_target(models_dir / "target"),
+                                   dflash_jax.load_drafter(models_dir / "drafter"), [[2, 4, 5, 3]], max_new_tokens=8,
+                                   temperature=0.9, seed=3, stop_token_ids=[0], draft_sampling="argmax")
+    assert out.splitlines()[0] == ChatTokenizer(models_dir / "target").decode(expected.token_ids[0])
+    code, _, err = run_cli(capsys, *argv[:-1], "top")
+    assert code == 2 and "--draft-sampling" in err
+
+
 def test_generate_prompt_ids_and_plain_text(models_dir, capsys):
     code, out, _ = run_cli(capsys, "generate", "--target", models_dir / "bare", "--prompt-ids", "2,4,5,3",
                            "--max-new-tokens", "12")
@@ -151,10 +165,11 @@ def test_demo_with_cached_target(models_dir, tmp_path, capsys, no_download):
     assert lines[-1].startswith("speedup: ") and "includes compilation" not in out
     assert "float32, same tokens" in lines[-1]  # lossless in float32: the demo checks, not assumes
     code, out, err = run_cli(capsys, "demo", "--drafter", models_dir / "drafter", "--cache-dir", cache,
-                             "--max-new-tokens", "12")
+                             "--max-new-tokens", "12", "--temperature", "0.7", "--draft-sampling", "argmax")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[-3].startswith("DFlash (block size 4): ") and ", bfloat16, " in lines[-1]  # the drafter's 4
+    assert lines[-3].startswith("DFlash (block size 4): ")  # the drafter's 4
+    assert "temperature 0.7, argmax drafts, bfloat16;" in lines[-1]
 
 
 def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):

@@ -7,7 +7,7 @@ import pytest
 import dflash_jax
 from conftest import drafter_config_dict, make_zlab_drafter, save_hf
 from dflash_jax.engine import Engine, SamplingParams
-from dflash_jax.generate import generate_autoregressive
+from dflash_jax.generate import generate, generate_autoregressive
 from test_generate import biased_target
 
 PROMPTS = [[5, 6, 7], list(range(20, 37)), list(range(1, 90)), [9] * 40, list(range(50, 61))]
@@ -120,14 +120,18 @@ def test_preemption_recomputes_and_stays_exact(models):
     assert engine.scheduler.allocator.num_free == 16
 
 
-def test_sampled_request_is_the_same_alone_or_in_a_batch(models):
+@pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
+def test_sampled_request_is_the_same_alone_or_in_a_batch(models, draft_sampling):
+    """... and the same as generate's, with either kind of drafts."""
     target, drafters, _ = models
     params = SamplingParams(max_new_tokens=16, temperature=1.3, top_k=30, top_p=0.95, seed=11)
-    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
+    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, draft_sampling=draft_sampling)
     (only,) = run(alone, [PROMPTS[1]], params)
-    crowd = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
+    crowd = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, draft_sampling=draft_sampling)
     ids = run(crowd, PROMPTS, params)
     assert crowd.output(ids[1]) == alone.output(only)
+    static = generate(target, drafters["full"], [PROMPTS[1]], sampling_params=params, draft_sampling=draft_sampling)
+    assert static.token_ids[0] == alone.output(only)
 
 
 def test_no_compilation_after_precompile(models):
@@ -189,6 +193,8 @@ def test_bad_engine_settings_are_refused(models):
         Engine(target, drafters["full"], block_size=5)
     with pytest.raises(ValueError, match="cannot hold 8 requests x 4 verify rows"):
         Engine(target, drafters["full"], max_num_reqs=8, max_num_tokens=16)
+    with pytest.raises(ValueError, match="draft_sampling must be one of 'sample', 'argmax'"):
+        Engine(target, drafters["full"], draft_sampling="greedy")
 
 
 def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
@@ -364,15 +370,15 @@ def test_a_failing_request_ends_alone(models, monkeypatch):
         engine.output(ids[1])
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, draft_sampling", [(True, "sample"), (False, "sample"), (True, "argmax")])
+def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling, draft_sampling):
     """Sampled requests (temperature 0.8, fixed seeds) in a cache tight enough to preempt
     them produce the tokens they produce in an ample one."""
     target, drafters, _ = models
     outputs, preemptions = [], []
     for num_pages in (None, 16):
         engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, page_size=4,
-                        num_pages=num_pages, async_scheduling=async_scheduling)
+                        num_pages=num_pages, async_scheduling=async_scheduling, draft_sampling=draft_sampling)
         params = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=s) for s in (1, 2, 3, 4)]
         ids = [engine.add_request(p[:12], q) for p, q in zip(PROMPTS[:4], params)]
         while engine.has_unfinished():

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dflash_jax.cli_generate import add_draft_sampling_argument
 from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.serve.warmup import WARMUP_CHOICES, Warmup, split_programs
 
@@ -64,6 +65,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--compile-threads", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
                         help="threads compiling step programs in the background (default: a quarter of the "
                         "CPUs, 1 to 4)")
+    add_draft_sampling_argument(parser)
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests held at once (running and waiting); beyond it the server answers 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -81,7 +83,8 @@ def run(args: argparse.Namespace) -> None:
     _log_to_stderr()
     engine, tokenizer, info = load_engine(args)
     sock = bind(args.host, args.port)
-    kind = f"DFlash, block size {info.block_size}" if info.block_size > 1 else "autoregressive"
+    kind = (f"DFlash, block size {info.block_size}, {args.draft_sampling} drafts" if info.block_size > 1
+            else "autoregressive")
     log.info("loaded %s (%s, max length %d)", info.name, kind, info.max_model_len)
     first, later = split_programs(engine, args.warmup)
     try:
@@ -150,7 +153,8 @@ def load_engine(args):
         if demo_pair and block_size is None and jax.default_backend() == "cpu":
             block_size = min(drafter.cfg.trained_block_size, 8 if dtype == "bfloat16" else 4)
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=args.max_num_reqs, max_num_tokens=args.max_num_tokens,
-                               block_size=block_size, max_model_len=args.max_model_len)
+                               block_size=block_size, max_model_len=args.max_model_len,
+                               draft_sampling=args.draft_sampling)
     info = ModelInfo(
         name=args.served_model_name or (demo.TARGET_DIR_NAME if demo_pair else Path(target_path).stem),
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
