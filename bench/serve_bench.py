@@ -102,7 +102,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         start = time.perf_counter()
         self.process = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli", "serve", "--port", str(port),
-                                         *self.flags], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                                         *self.flags], env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))})
         while True:
             if self.process.poll() is not None:
                 raise SystemExit(f"the server exited with code {self.process.returncode} before it was ready")
