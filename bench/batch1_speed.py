@@ -120,7 +120,8 @@ def main(argv=None):
         rows.append(dict(dtype=dtype, temperature=temperature, block_size=block, draft_sampling=draft_sampling,
                          tokens_per_s=speed, speedup=speed / ar, mean_accepted_length=_mean(lengths),
                          tau_per_category=tau, rounds=runs))
-        print(f"{dtype:<9} {temperature:4.2f} {block or 'AR':>5} {draft_sampling or '-':>6} {speed:9.1f} "
+        drafts = "-" if block is None else "any" if temperature == 0 else draft_sampling  # greedy: argmaxes
+        print(f"{dtype:<9} {temperature:4.2f} {block or 'AR':>5} {drafts:>6} {speed:9.1f} "
               f"{speed / ar:5.2f}x {_mean(lengths):5.2f}  " + " ".join(f"{tau[n]:10.2f}" for n in names))
     if args.out:
         args.out.write_text(json.dumps(dict(

