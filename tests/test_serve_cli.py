@@ -4,11 +4,12 @@ before it binds the port (or, for a taken port, at the bind, before compiling an
 from __future__ import annotations
 
 import json
+import pathlib
 import socket
 
 import pytest
 
-from conftest import make_hf_target, save_hf
+from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
 from dflash_jax import cli
 from dflash_jax.serve import cli as serve_cli
 from test_serve import write_char_tokenizer
@@ -71,3 +72,22 @@ def test_taken_port_exits_2_before_compiling(tiny_target, capsys, monkeypatch):
         taken.listen()
         port = taken.getsockname()[1]
         assert "cannot bind" in refused(capsys, ["--target", str(tiny_target), "--port", str(port)])
+
+
+def test_draft_sampling_reaches_the_engine(tmp_path, capsys, no_bind, monkeypatch):
+    hf = make_hf_target("llama", num_hidden_layers=1)
+    target = pathlib.Path(save_hf(hf, tmp_path / "target"))
+    write_char_tokenizer(target)
+    config = drafter_config_dict(hf.config.to_dict(), num_hidden_layers=1,
+                                 dflash_config={"mask_token_id": 95, "block_size": 4})
+    drafter = save_hf(make_zlab_drafter(config), tmp_path / "drafter", config)
+    seen = {}
+
+    def engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("dflash_jax.Engine", engine)
+    capsys.readouterr()  # the checkpoint writers' progress bars
+    refused(capsys, ["--target", str(target), "--drafter", str(drafter), "--draft-sampling", "argmax"])
+    assert seen["draft_sampling"] == "argmax"

