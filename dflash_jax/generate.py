@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleBatch, CycleConfig, DecodeState, SamplingRows, speculative_cycle, verify_batch
@@ -23,6 +24,7 @@ from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, slots_of
 from dflash_jax.models import Drafter, Target
+from dflash_jax.placement import on_one_mesh
 from dflash_jax.requests import (
     SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
     resolve_draft_block_size, stop_id_array,
@@ -67,6 +69,7 @@ def generate(
     draft_block_size: int | None = None,
     page_size: int = 16,
     kernels: Kernels = Kernels(),
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists).
 
@@ -77,7 +80,11 @@ def generate(
     drafting the trained block keeps the drafter in its training regime, and
     draft_block_size=block_size drafts only the verified block, as vLLM and z-lab do.
     kernels: which implementation runs each kernel (`Kernels`; "auto": Pallas on a GPU).
+    mesh: run tensor-parallel over its "model" axis (`sharding.make_mesh`); models loaded
+    with it run there as they are, others are placed on it first (a copy through the host,
+    at every call: load them with `mesh=` instead). Without it the models run where they are.
     """
+    target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
     block_size = resolve_block_size(drafter.cfg, block_size)
     draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
@@ -98,8 +105,11 @@ def generate_autoregressive(
     sampling_params: SamplingParams | None = None,
     page_size: int = 16,
     kernels: Kernels = Kernels(),
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
-    """Plain one-token-per-step decoding through the same cycle: the baseline."""
+    """Plain one-token-per-step decoding through the same cycle: the baseline (`mesh` as for
+    `generate`)."""
+    (target,) = on_one_mesh((target,), mesh)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
     return _run(target, None, prompts, params, 0, 1, page_size, kernels)
 

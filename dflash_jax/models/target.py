@@ -28,6 +28,7 @@ class Target(nnx.Module):
 
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.mesh = None  # the jax.sharding.Mesh the parameters are placed on (`sharding.place_model`)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,

@@ -1,0 +1,112 @@
+"""Runs for tests/test_tensor_parallel.py, in a fresh interpreter with 8 fake CPU devices
+(XLA_FLAGS must be set before jax is imported, which the pytest process has done long
+before). `python tensor_parallel_runs.py CASE` prints one JSON line: the case's results.
+
+Models are tiny and random, built from configs (no torch): a Qwen3 target whose LM head
+favours two tokens (so a random drafter is often right and blocks get accepted), a tied
+Llama target, and a drafter with a sliding-window layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates these runs
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dflash_jax import Engine, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
+from dflash_jax.config import parse_config  # noqa: E402
+from dflash_jax.models import Drafter, Target  # noqa: E402
+from dflash_jax.placement import place_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7], list(range(20, 37))]
+
+
+def target_config(architecture: str, *, kv_heads: int, tied: bool):
+    return parse_config(dict(
+        architectures=[architecture], vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_theta=10000.0,
+    ))
+
+
+def drafter_config():
+    return parse_config(dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=128, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, num_target_layers=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        dflash_config=dict(mask_token_id=127, target_layer_ids=[0, 1], block_size=4),
+    ))
+
+
+def random_params(cfg, seed: int) -> dict:
+    """Host parameters with every one (norms included) shifted by noise; a target's head (or
+    tied table) scaled down, two tokens along random directions scaled up."""
+    model = (Target if cfg.kind == "target" else Drafter)(cfg, rngs=nnx.Rngs(seed))
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), params)
+    if cfg.kind == "target":
+        tied = cfg.tie_word_embeddings
+        head_VD = params["embed_tokens"]["embedding"] if tied else params["lm_head"]["kernel"].T.copy()
+        head_VD *= 0.5
+        for token in (10, 20):
+            direction = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+            head_VD[token] += 1.2 * direction / np.linalg.norm(direction)
+        if not tied:
+            params["lm_head"]["kernel"] = head_VD.T.copy()
+    return params
+
+
+def models(target_cfg, tp: int):
+    mesh = make_mesh(tp, 1) if tp > 1 else None
+    target = place_model(target_cfg, jnp.float32, random_params(target_cfg, 0), mesh)
+    drafter = place_model(drafter_config(), jnp.float32, random_params(drafter_config(), 1), mesh)
+    return target, drafter
+
+
+def greedy() -> dict:
+    """Speculative greedy tokens and accepted lengths per TP size: Qwen3 with 2 kv heads
+    (fewer than the shards from TP 4 on) at TP 1, 2, 4, 8; tied Llama with 8 kv heads at TP 1
+    and 8; and Qwen3's autoregressive tokens at TP 1."""
+    out = {}
+    qwen3 = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    llama = target_config("LlamaForCausalLM", kv_heads=8, tied=True)
+    for name, cfg, sizes in (("qwen3", qwen3, (1, 2, 4, 8)), ("llama", llama, (1, 8))):
+        for tp in sizes:
+            target, drafter = models(cfg, tp)
+            spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
+            out[f"{name}/{tp}"] = [spec.token_ids, spec.accepted_lengths]
+    out["qwen3/ar"] = generate_autoregressive(models(qwen3, 1)[0], PROMPTS, max_new_tokens=12).token_ids
+    return out
+
+
+def engine_and_sampling() -> dict:
+    """Engine greedy tokens and seeded sampled `generate` tokens at TP 1 and 4."""
+    out = {}
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    for tp in (1, 4):
+        target, drafter = models(cfg, tp)
+        engine = Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, page_size=8)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+        while engine.has_unfinished():
+            engine.step()
+        out[f"engine/{tp}"] = [engine.output(i) for i in ids]
+        sampled = generate(target, drafter, PROMPTS, max_new_tokens=10, temperature=0.9, seed=[3, 4])
+        out[f"sampled/{tp}"] = sampled.token_ids
+    return out
+
+
+CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling}
+
+if __name__ == "__main__":
+    print(json.dumps(CASES[sys.argv[1]]()))
