@@ -57,6 +57,13 @@ def param_spec(logical_axes: tuple[str | None, ...] | None, shape: tuple[int, ..
                            for name, size in zip(axes, shape)))
 
 
+def replicated(x, mesh: Mesh | None):
+    """`x` kept whole on every device of `mesh` (as it is without one): the residual stream
+    between layers, which XLA would otherwise split to suit a consumer (the drafter's
+    row-parallel fc reading the target's features), adding gathers to every layer."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+
 def kv_cache_sharding(mesh: Mesh | None):
     """Where a kv cache [slots, kv heads, H] lives: split by kv head (None: the default device)."""
     return None if mesh is None else NamedSharding(mesh, HEADS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -38,11 +39,11 @@ def target_config(architecture: str, *, kv_heads: int, tied: bool):
     ))
 
 
-def drafter_config():
+def drafter_config(kv_heads: int = 2):
     return parse_config(dict(
         architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=128, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, num_target_layers=2,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv_heads,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, num_target_layers=2,
         layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
         dflash_config=dict(mask_token_id=127, target_layer_ids=[0, 1], block_size=4),
     ))
@@ -67,10 +68,11 @@ def random_params(cfg, seed: int) -> dict:
     return params
 
 
-def models(target_cfg, tp: int):
+def models(target_cfg, tp: int, drafter_kv_heads: int = 2):
     mesh = make_mesh(tp, 1) if tp > 1 else None
     target = place_model(target_cfg, jnp.float32, random_params(target_cfg, 0), mesh)
-    drafter = place_model(drafter_config(), jnp.float32, random_params(drafter_config(), 1), mesh)
+    drafter_cfg = drafter_config(drafter_kv_heads)
+    drafter = place_model(drafter_cfg, jnp.float32, random_params(drafter_cfg, 1), mesh)
     return target, drafter
 
 
@@ -106,7 +108,44 @@ def engine_and_sampling() -> dict:
     return out
 
 
-CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling}
+def collectives(text: str) -> list[tuple[str, list[list[int]]]]:
+    """(kind, shapes of its operands) of each all-reduce / all-gather / all-to-all /
+    collective-permute / reduce-scatter in compiled HLO text (a combined one has several)."""
+    found = []
+    for line in text.splitlines():
+        match = re.search(r"= (.+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
+                          line)
+        if match:
+            shapes = [[int(d) for d in dims.split(",") if d] for dims in re.findall(r"\w+\[([\d,]*)\]", match.group(1))]
+            found.append((match.group(2), shapes))
+    return found
+
+
+def hlo() -> dict:
+    """Collectives of the compiled Engine step at TP 4 (greedy; the target alone, and with the
+    drafter), and per-device parameter bytes against a one-device model's (norms aside; kv
+    heads as many as the shards, so none is repeated)."""
+    cfg = target_config("LlamaForCausalLM", kv_heads=8, tied=False)
+    out = {"layers": cfg.num_layers, "vocab": cfg.vocab_size}
+    target, drafter = models(cfg, 4, drafter_kv_heads=4)
+    for name, pair in (("target", (target, None)), ("cycle", (target, drafter))):
+        engine = Engine(*pair, max_num_reqs=2, max_num_tokens=16, page_size=8)
+        inert = engine._step_inputs(2, 16)
+        compiled = engine._step_program.lower(engine._param_leaves(), engine._state, inert.ints, inert.floats,
+                                              inert.layout, True).compile()
+        out[name] = collectives(compiled.as_text())
+    one_device = models(cfg, 1, drafter_kv_heads=4)
+    for model, single in zip((target, drafter), one_device):
+        name = model.cfg.kind
+        placed, whole = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (model, single))
+        unsplit = [path for path in whole if path[-2].endswith("norm")]
+        out[f"{name}/per_device_bytes"] = sum(placed[path].get_value().addressable_shards[0].data.nbytes
+                                              for path in placed if path not in unsplit)
+        out[f"{name}/total_bytes"] = sum(whole[path].get_value().nbytes for path in whole if path not in unsplit)
+    return out
+
+
+CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]]()))

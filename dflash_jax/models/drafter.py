@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
+from dflash_jax.sharding import replicated
 
 
 class Drafter(nnx.Module):
@@ -47,7 +48,7 @@ class Drafter(nnx.Module):
         what the drafter's KV cache stores.
         """
         cfg = self.cfg
-        ctx_SD = self.hidden_norm(self.fc(features_SF.astype(self.dtype)))
+        ctx_SD = self.hidden_norm(replicated(self.fc(replicated(features_SF, self.mesh).astype(self.dtype)), self.mesh))
         weights = [layer.self_attn.kv_weights() for layer in self.layers]
         shards = self.layers[0].self_attn.shards
         # [D, shards, L, 2K/shards, H]: each shard's columns of every layer side by side
@@ -69,6 +70,7 @@ class Drafter(nnx.Module):
         x_BD, delta_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype), None
         for i, layer in enumerate(self.layers):
             x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i), kernels)
+            x_BD, delta_BD = replicated(x_BD, self.mesh), replicated(delta_BD, self.mesh)
         return self.norm.add_norm(x_BD, delta_BD, kernels)[1]
 
     def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):
