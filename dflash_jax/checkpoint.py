@@ -99,8 +99,9 @@ def load_checkpoint(path: str | Path, dtype=None, mesh: Mesh | None = None) -> T
     graphdef, abstract_state = nnx.split(abstract_model(cfg, stored_dtype), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
     if mesh is not None:
-        to_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
-        params = ocp.PyTreeCheckpointer().restore((path / PARAMS_DIR).absolute(), restore_args=to_host)
+        # numpy targets restore to the host (np.empty reserves no memory until written)
+        on_host = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_params)
+        params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), on_host)
         return place_model(cfg, target_dtype, params, mesh)
     params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
     params = jax.tree.map(lambda x: x.astype(target_dtype), params)

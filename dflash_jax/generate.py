@@ -25,6 +25,7 @@ from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
+from dflash_jax.sharding import replicated
 from dflash_jax.requests import (
     SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
     resolve_draft_block_size, stop_id_array,
@@ -297,4 +298,6 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 
     loop = jax.lax.while_loop(lambda loop: ~jnp.all(loop.done_R), cycle, loop)
-    return loop.tokens_RC, loop.num_generated_R, loop.accepted_RC, loop.num_cycles_R
+    # Whole on every device: each process of a multi-process mesh reads them from its own.
+    return tuple(replicated(x, models[0].mesh) for x in (loop.tokens_RC, loop.num_generated_R, loop.accepted_RC,
+                                                         loop.num_cycles_R))

@@ -14,7 +14,8 @@ import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+DEVICES = os.environ.get("FAKE_DEVICES", "8")  # per process
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -23,7 +24,7 @@ jax.config.update("jax_disable_most_optimizations", True)  # compile time domina
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dflash_jax import Engine, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
+from dflash_jax import Engine, Kernels, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.models import Drafter, Target  # noqa: E402
 from dflash_jax.placement import place_model  # noqa: E402
@@ -108,6 +109,16 @@ def engine_and_sampling() -> dict:
     return out
 
 
+def pallas() -> dict:
+    """Greedy tokens with the Pallas attention, heads and norm kernels (interpret mode) at TP 2,
+    the attention and heads per shard under shard_map, against the jnp references at TP 1."""
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    kernels = {1: Kernels("reference", "reference", "reference", "reference"),
+               2: Kernels(attention="pallas", layout="reference", norm="pallas", heads="pallas")}
+    return {str(tp): generate(*models(cfg, tp), PROMPTS, max_new_tokens=6, kernels=kernels[tp]).token_ids
+            for tp in (1, 2)}
+
+
 def collectives(text: str) -> list[tuple[str, list[list[int]]]]:
     """(kind, shapes of its operands) of each all-reduce / all-gather / all-to-all /
     collective-permute / reduce-scatter in compiled HLO text (a combined one has several)."""
@@ -145,7 +156,25 @@ def hlo() -> dict:
     return out
 
 
-CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo}
+def save(folder: str) -> dict:
+    """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
+    from dflash_jax.checkpoint import save_checkpoint
+    from dflash_jax.config import to_hf_config
+
+    target, drafter = models(target_config("Qwen3ForCausalLM", kv_heads=2, tied=False), 1)
+    for name, model in (("target", target), ("drafter", drafter)):
+        save_checkpoint(model, to_hf_config(model.cfg), os.path.join(folder, name))
+    return {}
+
+
+def cli(*argv: str) -> dict:
+    """`dflash-jax generate ARGV` in this process; its exit status (tokens go to stdout)."""
+    from dflash_jax.cli import main
+
+    return {"status": main(["generate", *argv])}
+
+
+CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli}
 
 if __name__ == "__main__":
-    print(json.dumps(CASES[sys.argv[1]]()))
+    print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

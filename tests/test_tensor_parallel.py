@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def run_case(case: str, timeout: float = 400) -> dict:
+def run_case(case: str, *args: str, timeout: float = 400) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     try:
-        done = subprocess.run([sys.executable, str(HERE / "tensor_parallel_runs.py"), case], env=env, cwd=HERE,
+        done = subprocess.run([sys.executable, str(HERE / "tensor_parallel_runs.py"), case, *args], env=env, cwd=HERE,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{case} ran past {timeout} s: {(error.stderr or b'')[-2000:]!r}")
@@ -57,3 +58,47 @@ def test_compiled_step_has_two_all_reduces_per_layer_and_no_weight_gather():
     assert gathered and all(shape[-1] == 4 and math.prod(shape) < out["vocab"] for shape in gathered), gathered
     for kind in ("target", "drafter"):
         assert out[f"{kind}/per_device_bytes"] * 4 == pytest.approx(out[f"{kind}/total_bytes"], rel=0.05)
+
+
+def test_pallas_kernels_per_shard_give_the_reference_tokens():
+    out = run_case("pallas")
+    assert out["2"] == out["1"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_at_tensor_parallel_4_give_one_process_tokens(tmp_path):
+    """`dflash-jax generate` over 2 processes of 2 fake devices each (gloo collectives on
+    127.0.0.1), one model split 4 ways, prints the tokens one process prints at TP 1."""
+    run_case("save", str(tmp_path))
+    argv = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompt-ids", "5,6,7",
+            "--prompt-ids", "20,21,22,23", "--max-new-tokens", "8", "--no-compile-cache"]
+
+    def command(devices: int, *extra: str):
+        env = {**os.environ, "FAKE_DEVICES": str(devices),
+               "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        return dict(args=[sys.executable, str(HERE / "tensor_parallel_runs.py"), "cli", *argv, *extra], env=env,
+                    cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def tokens(stdout: str) -> list[str]:
+        return [line for line in stdout.splitlines() if line and line[0].isdigit() and "tokens in" not in line]
+
+    single = subprocess.run(**command(1), timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    coordinator = f"127.0.0.1:{free_port()}"
+    processes = [subprocess.Popen(**command(2, "--tensor-parallel", "4", "--coordinator", coordinator,
+                                            "--num-processes", "2", "--process-id", str(rank))) for rank in (0, 1)]
+    try:
+        outputs = [process.communicate(timeout=300) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for process, (stdout, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+        assert tokens(stdout) == tokens(single.stdout) and len(tokens(stdout)) == 2
