@@ -156,6 +156,36 @@ def hlo() -> dict:
     return out
 
 
+def train() -> dict:
+    """Losses of 4 float32 drafter train steps on the same random batches of 8 sequences, on
+    one device and data-parallel over 4."""
+    from dflash_jax.train.step import Hyperparams, drafter_params, make_train_step
+
+    target, drafter = models(target_config("Qwen3ForCausalLM", kv_heads=2, tied=False), 1)
+    target_graph, target_state = nnx.split(target)
+    hp = Hyperparams(total_steps=4, learning_rate=3e-3, warmup_ratio=0.0, max_anchors=4, compute_dtype="float32")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 127, (8, 16)).astype(np.int32), np.arange(16)[None].repeat(8, 0) >= 4)
+               for _ in range(hp.total_steps)]
+    out = {}
+    for data in (1, 4):
+        mesh = make_mesh(1, data) if data > 1 else None
+        optimizer, step = make_train_step(drafter.cfg, target_graph, hp, mesh)
+        params = drafter_params(drafter)
+        opt_state = optimizer.init(params)
+        if mesh is not None:
+            params, opt_state, state = jax.device_put((params, opt_state, target_state),
+                                                      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        else:
+            state = target_state
+        losses = []
+        for index, (token_ids, loss_mask) in enumerate(batches):
+            params, opt_state, metrics = step(params, opt_state, state, token_ids, loss_mask, index)
+            losses.append(float(metrics["loss"]))
+        out[str(data)] = losses
+    return out
+
+
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
@@ -174,7 +204,7 @@ def cli(*argv: str) -> dict:
     return {"status": main(["generate", *argv])}
 
 
-CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli}
+CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

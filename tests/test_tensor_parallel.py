@@ -102,3 +102,9 @@ def test_two_processes_at_tensor_parallel_4_give_one_process_tokens(tmp_path):
     for process, (stdout, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr[-3000:]
         assert tokens(stdout) == tokens(single.stdout) and len(tokens(stdout)) == 2
+
+
+def test_data_parallel_training_follows_the_one_device_loss_curve():
+    out = run_case("train")
+    assert out["4"] == pytest.approx(out["1"], rel=1e-4)
+    assert out["1"][-1] < out["1"][0]
