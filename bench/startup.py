@@ -54,7 +54,7 @@ target = dflash_jax.load_target(target_dir, dtype=dtype)
 drafter = dflash_jax.load_drafter(demo.DEFAULT_DRAFTER, dtype=dtype)
 tokenizer = ChatTokenizer(target_dir)
 prompt = tokenizer.encode([{"role": "user", "content": demo.QUESTIONS[0]}])
-block_size = drafter.cfg.block_size
+block_size = drafter.cfg.trained_block_size
 if jax.default_backend() == "cpu":  # the demo's CPU default
     block_size = min(block_size, 8 if dtype == "bfloat16" else 4)
 loaded = time.perf_counter()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
@@ -27,6 +28,7 @@ from convert.staging import StagedOutput, refuse_overlap, terminate_raises
 from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.models import abstract_model, model_from_params
+from dflash_jax.placement import place_model
 from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -39,8 +41,10 @@ SIDE_FILES = (
 )
 
 
-def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
+def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mesh=None):
     """(raw config, model) from a HF folder or a .gguf file; `dtype` None keeps the stored dtype.
+    With a `mesh` (`dflash_jax.sharding.make_mesh`) the tensors are assembled on the host and
+    each device receives its shards of them (`dflash_jax.placement.place_model`).
 
     A GGUF file's tensors keep their llama.cpp names (so errors name what is in the file) and
     come dequantized to float32, which is then the default dtype.
@@ -94,16 +98,23 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False):
                 f"got {list(shapes[rule.hf_name])}."
             )
 
+    xp = jnp if mesh is None else np  # on a mesh: host arrays, then shards
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
-        array = jnp.asarray(_float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name))))
+        array = xp.asarray(_float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name))))
         array = (array.T if rule.transpose else array).astype(dtype)
         if rule.columns is not None:  # a column block of a fused parameter: fill it in place
             whole = _get_or_none(params, rule.path)
             if whole is None:
-                whole = jnp.zeros(get_path(abstract_params, rule.path).shape, dtype)
-            array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
+                whole = xp.zeros(get_path(abstract_params, rule.path).shape, dtype)
+            if mesh is None:
+                array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
+            else:
+                whole[..., rule.columns[0] : rule.columns[1]] = array
+                array = whole
         set_path(params, rule.path, array)
+    if mesh is not None:
+        return raw_config, place_model(cfg, dtype, params, mesh)
     return raw_config, model_from_params(cfg, dtype, params)
 
 

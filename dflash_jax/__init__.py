@@ -8,6 +8,7 @@ from dflash_jax.kernels import Kernels
 from dflash_jax.loading import load_drafter, load_target
 from dflash_jax.models import Drafter, Target
 from dflash_jax.requests import RequestOutput, RequestStats, SamplingParams
+from dflash_jax.sharding import make_mesh
 
 __all__ = [
     "ConfigError",
@@ -26,5 +27,6 @@ __all__ = [
     "generate_autoregressive",
     "load_drafter",
     "load_target",
+    "make_mesh",
     "target_forward",
 ]

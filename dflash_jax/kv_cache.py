@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.sharding import kv_cache_sharding
 from pallas_kernels.finish_heads import write_slots
 
-if TYPE_CHECKING:
-    from dflash_jax.kernels import Kernels
-    from dflash_jax.layers import ProjectedHeads
 
 NULL_PAGE = 0
 PAD_SLOT = -1
@@ -37,20 +34,23 @@ class PagedKVCache:
     page_size: int
 
     @classmethod
-    def zeros(cls, *, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype):
+    def zeros(cls, *, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, sharding=None):
+        """Zeroed slot arrays, born in `sharding` (None: the default device)."""
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
             page_size=page_size,
         )
 
     @classmethod
     def for_model(cls, model, num_layers: int, num_pages: int, page_size: int) -> PagedKVCache:
-        """A zeroed cache for `num_layers` layers shaped like `model`'s attention."""
+        """A zeroed cache for `num_layers` layers shaped like `model`'s attention, split by kv
+        head over the model's mesh if it has one (`sharding.kv_cache_sharding`)."""
         return cls.zeros(
             num_layers=num_layers, num_pages=num_pages, page_size=page_size,
             num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
+            sharding=kv_cache_sharding(model.mesh),
         )
 
     @property
@@ -59,16 +59,10 @@ class PagedKVCache:
 
     def write(self, layer: int, slots_T, k_TKH, v_TKH) -> PagedKVCache:
         """Scatter one layer's new K/V rows to their slots; pad slots (< 0) are dropped."""
-        return self._with_layer(layer, write_slots(self.k[layer], slots_T, k_TKH),
+        return self.with_layer(layer, write_slots(self.k[layer], slots_T, k_TKH),
                                 write_slots(self.v[layer], slots_T, v_TKH))
 
-    def write_heads(self, layer: int, slots_T, heads: ProjectedHeads, kernels: Kernels) -> tuple[jax.Array, PagedKVCache]:
-        """(queries, cache): a layer's projected heads finished, keys and values written to
-        `slots_T` by `kernels.heads` (`ProjectedHeads.finish_into`)."""
-        q_TNH, k, v = heads.finish_into(slots_T, self.k[layer], self.v[layer], kernels)
-        return q_TNH, self._with_layer(layer, k, v)
-
-    def _with_layer(self, layer: int, k, v) -> PagedKVCache:
+    def with_layer(self, layer: int, k, v) -> PagedKVCache:
         return dataclasses.replace(
             self,
             k=self.k[:layer] + (k,) + self.k[layer + 1 :],

@@ -4,7 +4,13 @@ attention projections and the decoder layer (both models use the same Qwen3/Llam
 Parameters carry logical sharding axes (`nnx.with_partitioning`) so a tensor-parallel mesh can
 be attached later without touching the modules: "vocab", "embed" (model dim), "q_heads"
 (flattened heads x head_dim), "qkv_heads" (query, key and value heads, flattened), "mlp"
-(intermediate), "head_dim".
+(intermediate), "head_dim"; `sharding.param_spec` maps them onto a mesh.
+
+The fused matrices (`qkv_proj`, `gate_up_proj`) hold their columns in `shards` groups, one per
+tensor-parallel shard, each in the one-device layout of its own heads or columns: shard g's
+slice is [its q | its k | its v], so every shard projects and finishes its heads with no
+communication. `shards` is 1 unless `sharding` placed the model on a mesh
+(`shard_layout` reorders the columns).
 """
 
 from __future__ import annotations
@@ -103,13 +109,15 @@ class MLP(nnx.Module):
 
     def __init__(self, hidden: int, intermediate: int, *, use_bias: bool, dtype, rngs):
         self.intermediate = intermediate
+        self.shards = 1  # column groups of gate_up_proj: [gate_g | up_g] per shard g
         self.gate_up_proj = linear(hidden, 2 * intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype,
                                    rngs=rngs)
         self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
+        gate, up = (gate_up[..., i, :].reshape(*x.shape[:-1], self.intermediate) for i in (0, 1))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,6 +199,7 @@ class Attention(nnx.Module):
         self.qkv_proj = linear(d, (n + 2 * k) * h, ("embed", "qkv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
         self.qk_norm = qk_norm
+        self.shards = 1  # column groups of qkv_proj: [q_g | k_g | v_g] per shard g
         if qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
@@ -201,9 +210,14 @@ class Attention(nnx.Module):
             k_TKH = self.k_norm(k_TKH)
         return apply_rope(k_TKH, positions_T, self.cfg.rope), v_TKH
 
-    def kv_columns(self) -> slice:
-        """The key and value columns of `qkv_proj` (keys first)."""
-        return slice(self.cfg.num_heads * self.cfg.head_dim, None)
+    def kv_weights(self):
+        """The key and value columns of `qkv_proj` per shard: (kernel [D, shards, 2K/shards, H],
+        bias [shards, 2K/shards, H] or None), each shard's keys before its values."""
+        cfg, g = self.cfg, self.shards
+        local_q = cfg.num_heads // g
+        kernel = self.qkv_proj.kernel[...].reshape(cfg.hidden_size, g, -1, cfg.head_dim)[:, :, local_q:]
+        bias = self.qkv_proj.bias[...].reshape(g, -1, cfg.head_dim)[:, local_q:] if cfg.attention_bias else None
+        return kernel, bias
 
     def project(self, x_TD, positions_T) -> ProjectedHeads:
         """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""
@@ -221,23 +235,23 @@ class Attention(nnx.Module):
 class ProjectedHeads:
     """One layer's query, key and value heads straight out of `qkv_proj` ([T, N + 2K, H]), not
     yet normed or rotated. The caller that owns the cache finishes them: `finish()` for dense
-    attention, `finish_into` to write keys and values to a paged cache as well (one Pallas
-    kernel on a GPU instead of ~7 small XLA kernels)."""
+    attention; `steps.attend_paged` writes keys and values to a paged cache as well, through
+    `kernels.finish_heads` (one Pallas kernel on a GPU instead of ~7 small XLA kernels)."""
 
     qkv_TXH: jax.Array
     positions_T: jax.Array
     attention: Attention
 
     def finish(self):
-        """(queries [T, N, H], keys [T, K, H], values [T, K, H]), normed and rotated."""
-        args = self.attention.finish_args(self.positions_T)
-        return finish_qkv_reference(self.qkv_TXH, *args, num_heads=self.attention.cfg.num_heads)
-
-    def finish_into(self, slots_T, k_cache_SKH, v_cache_SKH, kernels: Kernels):
-        """(queries, key cache, value cache) with this layer's keys and values written to
-        `slots_T` (< 0: padding, not written), by `kernels.heads`."""
-        return kernels.finish_heads(self.qkv_TXH, *self.attention.finish_args(self.positions_T), slots_T, k_cache_SKH, v_cache_SKH,
-                      num_heads=self.attention.cfg.num_heads)
+        """(queries [T, N, H], keys [T, K, H], values [T, K, H]), normed and rotated (each
+        shard's heads finished on their own, then laid side by side)."""
+        attention, shards = self.attention, self.attention.shards
+        args = attention.finish_args(self.positions_T)
+        num_tokens, _, head_dim = self.qkv_TXH.shape
+        qkv_TGYH = self.qkv_TXH.reshape(num_tokens, shards, -1, head_dim)
+        finish = functools.partial(finish_qkv_reference, num_heads=attention.cfg.num_heads // shards)
+        heads = jax.vmap(lambda qkv_TYH: finish(qkv_TYH, *args), in_axes=1, out_axes=1)(qkv_TGYH)
+        return tuple(x.reshape(num_tokens, -1, head_dim) for x in heads)
 
 
 # attend(layer_idx, heads) -> attention output [T, N, H]

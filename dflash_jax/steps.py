@@ -19,7 +19,9 @@ import jax.numpy as jnp
 
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache, slots_of
+from dflash_jax.layers import ProjectedHeads
 from dflash_jax.models import Drafter, Target
+from dflash_jax.sharding import per_shard
 from pallas_kernels.attention_mask import CAUSAL
 from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
@@ -51,23 +53,42 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch, with
     the (resolved) `kernels`."""
     seq_lens_R = _seq_lens(batch)
-    paged_attention = kernels.paged_attention(
-        batch.rows, num_rows=batch.page_table.shape[0],
-        group=target.cfg.num_heads // target.cfg.num_kv_heads, dtype=target.dtype,
-    )
 
     def attend(layer, heads):
         nonlocal cache
-        q, cache = cache.write_heads(layer, batch.slots, heads, kernels)
-        return paged_attention(
-            q, batch.positions, batch.rows, cache.k[layer], cache.v[layer], batch.page_table, seq_lens_R,
-            page_size=cache.page_size, rule=CAUSAL,
-        )
+        out_TNH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
+                                      page_table=batch.page_table, seq_lens_R=seq_lens_R, rule=CAUSAL)
+        return out_TNH
 
     with jax.named_scope("target"):
         hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids, kernels=kernels)
         logits = target.unembed(hidden_TD[batch.logits_rows])
     return cache, logits, features_TF
+
+
+def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, kernels: Kernels, *, slots_T,
+                 q_rows_T, page_table, seq_lens_R, rule) -> tuple[jax.Array, PagedKVCache]:
+    """(attention output [T, N, H], cache): one layer's projected heads finished (q/k norm,
+    RoPE), their keys and values written to `slots_T` of `cache`'s `layer`, then paged
+    attention of the queries (batch row `q_rows_T`) under the mask `rule`. On a mesh this runs
+    once per shard (`sharding.per_shard`), on the shard's query and kv heads."""
+    attention = heads.attention
+    cos_TF, sin_TF, q_weight_H, k_weight_H, eps = attention.finish_args(heads.positions_T)
+    num_heads, group = attention.cfg.num_heads // attention.shards, attention.cfg.num_heads // attention.cfg.num_kv_heads
+    shared = (slots_T, cos_TF, sin_TF, q_weight_H, k_weight_H, heads.positions_T, q_rows_T, page_table, seq_lens_R)
+
+    def local(qkv_TXH, k_SKH, v_SKH, shared):
+        slots_T, cos_TF, sin_TF, q_weight_H, k_weight_H, positions_T, q_rows_T, page_table, seq_lens_R = shared
+        q_TNH, k_SKH, v_SKH = kernels.finish_heads(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, slots_T,
+                                                   k_SKH, v_SKH, num_heads=num_heads)
+        paged_attention = kernels.paged_attention(q_rows_T, num_rows=page_table.shape[0], group=group,
+                                                  dtype=q_TNH.dtype)
+        out_TNH = paged_attention(q_TNH, positions_T, q_rows_T, k_SKH, v_SKH, page_table, seq_lens_R,
+                                  page_size=cache.page_size, rule=rule)
+        return out_TNH, k_SKH, v_SKH
+
+    out_TNH, k_SKH, v_SKH = per_shard(mesh, local, 3)(heads.qkv_TXH, cache.k[layer], cache.v[layer], shared)
+    return out_TNH, cache.with_layer(layer, k_SKH, v_SKH)
 
 
 def block_batch(tokens_RQ, start_R, page_table_RM, page_size: int) -> TargetBatch:
@@ -186,18 +207,14 @@ def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: 
     caches = list(caches)
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
     query_rows = jnp.arange(num_rows * draft_block_size, dtype=jnp.int32) // draft_block_size
-    paged_attention = kernels.paged_attention(
-        query_rows, num_rows=num_rows, group=drafter.cfg.num_heads // drafter.cfg.num_kv_heads, dtype=drafter.dtype,
-    )
 
     def attend(layer, heads):
         group, index = groups.group_of(layer)
-        q, cache = caches[group].write_heads(index, layouts[group].query_slot_mapping, heads, kernels)
-        caches[group] = cache
-        return paged_attention(
-            q, layout.query_positions, query_rows, cache.k[index], cache.v[index], page_tables[group],
-            layout.seq_lens, page_size=cache.page_size, rule=drafter.cfg.layers[layer],
-        )
+        out_TNH, caches[group] = attend_paged(
+            drafter.mesh, caches[group], index, heads, kernels, slots_T=layouts[group].query_slot_mapping,
+            q_rows_T=query_rows, page_table=page_tables[group], seq_lens_R=layout.seq_lens,
+            rule=drafter.cfg.layers[layer])
+        return out_TNH
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
     hidden_QD = drafter(block_embeds, layout.query_positions, attend, kernels)

@@ -75,7 +75,7 @@ def test_generate_dtype(models_dir, capsys, monkeypatch):
     loaded = []
     for name in ("load_target", "load_drafter"):
         real = getattr(dflash_jax, name)
-        monkeypatch.setattr(dflash_jax, name, lambda path, dtype=None, real=real: loaded.append(dtype) or real(path, dtype))
+        monkeypatch.setattr(dflash_jax, name, lambda path, dtype=None, real=real, **kw: loaded.append(dtype) or real(path, dtype, **kw))
     target = models_dir / "target"
     code, out, err = run_cli(capsys, "generate", "--target", target, "--drafter", models_dir / "drafter",
                              "--prompt-ids", "2,4,5,3", "--max-new-tokens", "8", "--dtype", "bfloat16")

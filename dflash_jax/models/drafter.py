@@ -19,11 +19,13 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
+from dflash_jax.sharding import replicated
 
 
 class Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.mesh = None  # the jax.sharding.Mesh the parameters are placed on (`sharding.place_model`)
         self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.layers = nnx.List([
@@ -38,25 +40,27 @@ class Drafter(nnx.Module):
     def context_kv(self, features_SF, positions_S):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
         XLA copies the layers' K/V columns into that stack each call; a product per layer is
-        no better, as it copies each layer's column slice instead (bench/NOTES.md).
+        no better, as it copies each layer's column slice instead (bench/NOTES.md). On a
+        tensor-parallel mesh the stack is laid out per shard (`Attention.kv_weights`), so each
+        shard computes its own kv heads.
 
         Returns a list, per layer, of (k [S, K, H], v [S, K, H]), normed and rotated: exactly
         what the drafter's KV cache stores.
         """
         cfg = self.cfg
-        ctx_SD = self.hidden_norm(self.fc(features_SF.astype(self.dtype)))
-        kernels, biases = [], []
-        for layer in self.layers:
-            attn = layer.self_attn
-            kernels.append(attn.qkv_proj.kernel[...][:, attn.kv_columns()])
-            if cfg.attention_bias:
-                biases.append(attn.qkv_proj.bias[...][attn.kv_columns()])
-        kv_SX = dot_general(ctx_SD, jnp.concatenate(kernels, axis=1), (((1,), (0,)), ((), ())))
-        if biases:
-            kv_SX = kv_SX + jnp.concatenate(biases)
-        kv_S2LKH = kv_SX.reshape(ctx_SD.shape[0], 2 * cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        ctx_SD = self.hidden_norm(replicated(self.fc(replicated(features_SF, self.mesh).astype(self.dtype)), self.mesh))
+        weights = [layer.self_attn.kv_weights() for layer in self.layers]
+        shards = self.layers[0].self_attn.shards
+        # [D, shards, L, 2K/shards, H]: each shard's columns of every layer side by side
+        kernel_DGLYH = jnp.stack([kernel for kernel, _ in weights], axis=2)
+        kv_SX = dot_general(ctx_SD, kernel_DGLYH.reshape(cfg.hidden_size, -1), (((1,), (0,)), ((), ())))
+        if cfg.attention_bias:
+            kv_SX = kv_SX + jnp.stack([bias for _, bias in weights], axis=1).reshape(-1)
+        kv_SGL2KH = kv_SX.reshape(ctx_SD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
+        kv_heads = [jnp.swapaxes(kv_SGL2KH[:, :, :, i], 1, 2).reshape(ctx_SD.shape[0], cfg.num_layers, -1, cfg.head_dim)
+                    for i in (0, 1)]  # keys, values: [S, L, K, H]
         return [
-            layer.self_attn.finish_kv(kv_S2LKH[:, 2 * i], kv_S2LKH[:, 2 * i + 1], positions_S)
+            layer.self_attn.finish_kv(kv_heads[0][:, i], kv_heads[1][:, i], positions_S)
             for i, layer in enumerate(self.layers)
         ]
 
@@ -66,6 +70,7 @@ class Drafter(nnx.Module):
         x_BD, delta_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype), None
         for i, layer in enumerate(self.layers):
             x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i), kernels)
+            x_BD, delta_BD = replicated(x_BD, self.mesh), replicated(delta_BD, self.mesh)
         return self.norm.add_norm(x_BD, delta_BD, kernels)[1]
 
     def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):

@@ -16,6 +16,7 @@ from flax import nnx
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear, logical
+from dflash_jax.sharding import replicated
 
 
 class DerivedWeight(nnx.Variable):
@@ -28,6 +29,7 @@ class Target(nnx.Module):
 
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.mesh = None  # the jax.sharding.Mesh the parameters are placed on (`sharding.place_model`)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -79,6 +81,7 @@ class Target(nnx.Module):
         wanted = {layer_id: None for layer_id in layer_ids}
         for i, layer in enumerate(self.layers):
             x_TD, delta_TD = layer(x_TD, delta_TD, positions_T, functools.partial(attend, i), kernels)
+            x_TD, delta_TD = replicated(x_TD, self.mesh), replicated(delta_TD, self.mesh)
             if i in wanted:  # the layer's output (this sum fuses into the concatenation below)
                 wanted[i] = x_TD + delta_TD
         features = [wanted[layer_id] for layer_id in layer_ids]

@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_jax.cli_generate import add_draft_sampling_argument
+from dflash_jax.cli_devices import add_device_arguments, start_devices
 from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.serve.warmup import WARMUP_CHOICES, Warmup, split_programs
 
@@ -74,6 +75,7 @@ def add_parser(subparsers) -> None:
                         help="step programs compiled before the port opens: minimal (one that runs any one request; "
                         "the rest compile in the background while /health says warming), all, or none (each "
                         "compiles when a step first needs it)")
+    add_device_arguments(parser, multi_process=False)  # one process: the engine loop is not replicated
     add_cache_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -145,11 +147,12 @@ def load_engine(args):
     if tokenizer is None:
         raise ValueError(f"{target_path} has no tokenizer.json (nor GGUF tokenizer metadata); the server needs one "
                          "to read text.")
-    target = _load(dflash_jax.load_target, target_path, dtype, "target")
+    mesh = start_devices(args)
+    target = _load(dflash_jax.load_target, target_path, dtype, "target", mesh)
     drafter = None
     block_size = args.block_size
     if drafter_path is not None:
-        drafter = _load(dflash_jax.load_drafter, drafter_path, target.dtype, "drafter")
+        drafter = _load(dflash_jax.load_drafter, drafter_path, target.dtype, "drafter", mesh)
         if demo_pair and block_size is None and jax.default_backend() == "cpu":
             block_size = min(drafter.cfg.trained_block_size, 8 if dtype == "bfloat16" else 4)
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=args.max_num_reqs, max_num_tokens=args.max_num_tokens,
@@ -163,9 +166,9 @@ def load_engine(args):
     return engine, tokenizer, info
 
 
-def _load(loader, path, dtype, what: str):
+def _load(loader, path, dtype, what: str, mesh):
     try:
-        return loader(path, dtype=dtype)
+        return loader(path, dtype=dtype, mesh=mesh)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # orbax, safetensors and json each fail in their own way

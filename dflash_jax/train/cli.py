@@ -207,7 +207,7 @@ def run_train(args: argparse.Namespace) -> None:
     )
     result = train_drafter(
         target, drafter, dataset, hp, args.out, batch_size=args.batch_size, max_length=args.max_length,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, mesh=_data_parallel_mesh(args.batch_size),
     )
     card = model_card_text(result, hp, dataset.meta, target=str(args.target),
                            data=", ".join(str(d) for d in args.data),
@@ -264,3 +264,18 @@ def write_text_atomically(path: Path, text: str) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _data_parallel_mesh(batch_size: int):
+    """Every device of the machine, data-parallel (None with one device)."""
+    import jax
+
+    from dflash_jax.sharding import make_mesh
+
+    devices = jax.device_count()
+    if devices == 1:
+        return None
+    if batch_size % devices:
+        raise ValueError(f"--batch-size {batch_size} must divide by the {devices} devices training splits it over; "
+                         f"use a multiple of {devices}.")
+    return make_mesh(1)

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.models import model_from_params
 from dflash_jax.config import DrafterConfig
+from dflash_jax.sharding import DATA
 from dflash_jax.train.anchors import sample_anchors
 from dflash_jax.train.forward import block_logits, target_logits_and_features
 from dflash_jax.train.loss import (
@@ -80,9 +82,14 @@ def drafter_params(drafter) -> dict:
     return jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
 
 
-def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
+def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mesh | None = None):
     """A jitted `step(params, opt_state, target_state, token_ids [N, L], loss_mask [N, L], step)`
     returning (params, opt_state, metrics); params and optimizer state are donated.
+
+    With a `mesh`, data-parallel over its "data" axis: each device takes N / data sequences;
+    parameters, optimizer state and the target are whole on every device, and XLA sums the
+    loss and gradients over the devices (the loss is one mean over the whole batch, so the
+    update is the one-device update).
 
     metrics: loss, grad_norm, learning_rate, and per-slot accuracy [B-1] (slot k predicts
     x_{p+k}) with the number of counted predictions per slot.
@@ -127,4 +134,8 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams):
         )
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    return optimizer, jax.jit(step, donate_argnums=(0, 1))
+    if mesh is None:
+        return optimizer, jax.jit(step, donate_argnums=(0, 1))
+    whole, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(DATA))
+    return optimizer, jax.jit(step, donate_argnums=(0, 1), in_shardings=(whole, whole, whole, rows, rows, whole),
+                              out_shardings=whole)

@@ -17,11 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from dflash_jax.models import model_from_params
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
+from dflash_jax.sharding import DATA
 from dflash_jax.train.data import DrafterDataset
 from dflash_jax.train.step import Hyperparams, drafter_params, make_train_step
 
@@ -46,8 +48,12 @@ def train_drafter(
     checkpoint_every: int = 1000,
     progress: bool = True,
     time_budget_s: float | None = None,
+    mesh: Mesh | None = None,
 ) -> TrainResult:
     """Train `drafter` against the frozen `target` for `hp.total_steps` steps (resuming).
+
+    `mesh` (`sharding.make_mesh(1)`: every device): data-parallel over its "data" axis, each
+    step's batch split over the devices (`batch_size` must divide by their number).
 
     With `time_budget_s`, stop after the first step that ends past the budget and checkpoint
     there: a later call with the same work_dir carries on (`steps_done` says how far it got).
@@ -55,10 +61,12 @@ def train_drafter(
     check_drafter_fits_target(target.cfg, drafter.cfg)
     if max_length < drafter.cfg.trained_block_size:
         raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.trained_block_size}.")
+    if mesh is not None and batch_size % mesh.shape[DATA]:
+        raise ValueError(f"batch_size {batch_size} must divide by the {mesh.shape[DATA]} data-parallel devices.")
     cfg = drafter.cfg
     target = _cast(target, hp.compute_dtype)
     target_graph, target_state = nnx.split(target)
-    optimizer, step_fn = make_train_step(cfg, target_graph, hp)
+    optimizer, step_fn = make_train_step(cfg, target_graph, hp, mesh)
     params = drafter_params(drafter)
     opt_state = optimizer.init(params)
 
@@ -70,6 +78,9 @@ def train_drafter(
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
+    if mesh is not None:  # whole on every device; each step splits its batch
+        params, opt_state, target_state = jax.device_put((params, opt_state, target_state),
+                                                         NamedSharding(mesh, PartitionSpec()))
 
     losses, accuracy = [], np.zeros(cfg.trained_block_size - 1)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s

@@ -1,0 +1,210 @@
+"""Runs for tests/test_tensor_parallel.py, in a fresh interpreter with 8 fake CPU devices
+(XLA_FLAGS must be set before jax is imported, which the pytest process has done long
+before). `python tensor_parallel_runs.py CASE` prints one JSON line: the case's results.
+
+Models are tiny and random, built from configs (no torch): a Qwen3 target whose LM head
+favours two tokens (so a random drafter is often right and blocks get accepted), a tied
+Llama target, and a drafter with a sliding-window layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+DEVICES = os.environ.get("FAKE_DEVICES", "8")  # per process
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates these runs
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dflash_jax import Engine, Kernels, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
+from dflash_jax.config import parse_config  # noqa: E402
+from dflash_jax.models import Drafter, Target  # noqa: E402
+from dflash_jax.placement import place_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7], list(range(20, 37))]
+
+
+def target_config(architecture: str, *, kv_heads: int, tied: bool):
+    return parse_config(dict(
+        architectures=[architecture], vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_theta=10000.0,
+    ))
+
+
+def drafter_config(kv_heads: int = 2):
+    return parse_config(dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=128, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv_heads,
+        head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, num_target_layers=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        dflash_config=dict(mask_token_id=127, target_layer_ids=[0, 1], block_size=4),
+    ))
+
+
+def random_params(cfg, seed: int) -> dict:
+    """Host parameters with every one (norms included) shifted by noise; a target's head (or
+    tied table) scaled down, two tokens along random directions scaled up."""
+    model = (Target if cfg.kind == "target" else Drafter)(cfg, rngs=nnx.Rngs(seed))
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), params)
+    if cfg.kind == "target":
+        tied = cfg.tie_word_embeddings
+        head_VD = params["embed_tokens"]["embedding"] if tied else params["lm_head"]["kernel"].T.copy()
+        head_VD *= 0.5
+        for token in (10, 20):
+            direction = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+            head_VD[token] += 1.2 * direction / np.linalg.norm(direction)
+        if not tied:
+            params["lm_head"]["kernel"] = head_VD.T.copy()
+    return params
+
+
+def models(target_cfg, tp: int, drafter_kv_heads: int = 2):
+    mesh = make_mesh(tp, 1) if tp > 1 else None
+    target = place_model(target_cfg, jnp.float32, random_params(target_cfg, 0), mesh)
+    drafter_cfg = drafter_config(drafter_kv_heads)
+    drafter = place_model(drafter_cfg, jnp.float32, random_params(drafter_cfg, 1), mesh)
+    return target, drafter
+
+
+def greedy() -> dict:
+    """Speculative greedy tokens and accepted lengths per TP size: Qwen3 with 2 kv heads
+    (fewer than the shards from TP 4 on) at TP 1, 2, 4, 8; tied Llama with 8 kv heads at TP 1
+    and 8; and Qwen3's autoregressive tokens at TP 1."""
+    out = {}
+    qwen3 = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    llama = target_config("LlamaForCausalLM", kv_heads=8, tied=True)
+    for name, cfg, sizes in (("qwen3", qwen3, (1, 2, 4, 8)), ("llama", llama, (1, 8))):
+        for tp in sizes:
+            target, drafter = models(cfg, tp)
+            spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
+            out[f"{name}/{tp}"] = [spec.token_ids, spec.accepted_lengths]
+    out["qwen3/ar"] = generate_autoregressive(models(qwen3, 1)[0], PROMPTS, max_new_tokens=12).token_ids
+    return out
+
+
+def engine_and_sampling() -> dict:
+    """Engine greedy tokens and seeded sampled `generate` tokens at TP 1 and 4."""
+    out = {}
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    for tp in (1, 4):
+        target, drafter = models(cfg, tp)
+        engine = Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, page_size=8)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+        while engine.has_unfinished():
+            engine.step()
+        out[f"engine/{tp}"] = [engine.output(i) for i in ids]
+        sampled = generate(target, drafter, PROMPTS, max_new_tokens=10, temperature=0.9, seed=[3, 4])
+        out[f"sampled/{tp}"] = sampled.token_ids
+    return out
+
+
+def pallas() -> dict:
+    """Greedy tokens with the Pallas attention, heads and norm kernels (interpret mode) at TP 2,
+    the attention and heads per shard under shard_map, against the jnp references at TP 1."""
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    kernels = {1: Kernels("reference", "reference", "reference", "reference"),
+               2: Kernels(attention="pallas", layout="reference", norm="pallas", heads="pallas")}
+    return {str(tp): generate(*models(cfg, tp), PROMPTS, max_new_tokens=6, kernels=kernels[tp]).token_ids
+            for tp in (1, 2)}
+
+
+def collectives(text: str) -> list[tuple[str, list[list[int]]]]:
+    """(kind, shapes of its operands) of each all-reduce / all-gather / all-to-all /
+    collective-permute / reduce-scatter in compiled HLO text (a combined one has several)."""
+    found = []
+    for line in text.splitlines():
+        match = re.search(r"= (.+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
+                          line)
+        if match:
+            shapes = [[int(d) for d in dims.split(",") if d] for dims in re.findall(r"\w+\[([\d,]*)\]", match.group(1))]
+            found.append((match.group(2), shapes))
+    return found
+
+
+def hlo() -> dict:
+    """Collectives of the compiled Engine step at TP 4 (greedy; the target alone, and with the
+    drafter), and per-device parameter bytes against a one-device model's (norms aside; kv
+    heads as many as the shards, so none is repeated)."""
+    cfg = target_config("LlamaForCausalLM", kv_heads=8, tied=False)
+    out = {"layers": cfg.num_layers, "vocab": cfg.vocab_size}
+    target, drafter = models(cfg, 4, drafter_kv_heads=4)
+    for name, pair in (("target", (target, None)), ("cycle", (target, drafter))):
+        engine = Engine(*pair, max_num_reqs=2, max_num_tokens=16, page_size=8)
+        inert = engine._step_inputs(2, 16)
+        compiled = engine._step_program.lower(engine._param_leaves(), engine._state, inert.ints, inert.floats,
+                                              inert.layout, True).compile()
+        out[name] = collectives(compiled.as_text())
+    one_device = models(cfg, 1, drafter_kv_heads=4)
+    for model, single in zip((target, drafter), one_device):
+        name = model.cfg.kind
+        placed, whole = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (model, single))
+        unsplit = [path for path in whole if path[-2].endswith("norm")]
+        out[f"{name}/per_device_bytes"] = sum(placed[path].get_value().addressable_shards[0].data.nbytes
+                                              for path in placed if path not in unsplit)
+        out[f"{name}/total_bytes"] = sum(whole[path].get_value().nbytes for path in whole if path not in unsplit)
+    return out
+
+
+def train() -> dict:
+    """Losses of 4 float32 drafter train steps on the same random batches of 8 sequences, on
+    one device and data-parallel over 4."""
+    from dflash_jax.train.step import Hyperparams, drafter_params, make_train_step
+
+    target, drafter = models(target_config("Qwen3ForCausalLM", kv_heads=2, tied=False), 1)
+    target_graph, target_state = nnx.split(target)
+    hp = Hyperparams(total_steps=4, learning_rate=3e-3, warmup_ratio=0.0, max_anchors=4, compute_dtype="float32")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 127, (8, 16)).astype(np.int32), np.arange(16)[None].repeat(8, 0) >= 4)
+               for _ in range(hp.total_steps)]
+    out = {}
+    for data in (1, 4):
+        mesh = make_mesh(1, data) if data > 1 else None
+        optimizer, step = make_train_step(drafter.cfg, target_graph, hp, mesh)
+        params = drafter_params(drafter)
+        opt_state = optimizer.init(params)
+        if mesh is not None:
+            params, opt_state, state = jax.device_put((params, opt_state, target_state),
+                                                      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        else:
+            state = target_state
+        losses = []
+        for index, (token_ids, loss_mask) in enumerate(batches):
+            params, opt_state, metrics = step(params, opt_state, state, token_ids, loss_mask, index)
+            losses.append(float(metrics["loss"]))
+        out[str(data)] = losses
+    return out
+
+
+def save(folder: str) -> dict:
+    """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
+    from dflash_jax.checkpoint import save_checkpoint
+    from dflash_jax.config import to_hf_config
+
+    target, drafter = models(target_config("Qwen3ForCausalLM", kv_heads=2, tied=False), 1)
+    for name, model in (("target", target), ("drafter", drafter)):
+        save_checkpoint(model, to_hf_config(model.cfg), os.path.join(folder, name))
+    return {}
+
+
+def cli(*argv: str) -> dict:
+    """`dflash-jax generate ARGV` in this process; its exit status (tokens go to stdout)."""
+    from dflash_jax.cli import main
+
+    return {"status": main(["generate", *argv])}
+
+
+CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
+
+if __name__ == "__main__":
+    print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))
