@@ -21,7 +21,7 @@ def test_notebook_runs(path, tmp_path):
     if path.name in NEED_SMOLLM2_DRAFTER and not DEFAULT_DRAFTER.exists() and not os.environ.get("DFLASH_JAX_DRAFTER"):
         pytest.skip(f"no SmolLM2 drafter: {DEFAULT_DRAFTER} is not in this checkout and DFLASH_JAX_DRAFTER is unset")
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(notebook, timeout=2400, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
