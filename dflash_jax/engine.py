@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
@@ -42,6 +42,7 @@ from dflash_jax.requests import (
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
+from dflash_jax.sharding import replicated
 from dflash_jax.step_inputs import StepInputs, unpack
 from pallas_kernels.common import next_pow2
 
@@ -156,6 +157,12 @@ class Engine:
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
         )
+        # On a mesh the step's small inputs and the state's per-slot arrays live whole on every
+        # device (the caches are split by kv head): compiled programs take fixed placements.
+        self._whole = None if target.mesh is None else NamedSharding(target.mesh, PartitionSpec())
+        if self._whole is not None:
+            self._state = jax.tree.map(
+                lambda x: x if len(x.sharding.device_set) > 1 else jax.device_put(x, self._whole), self._state)
         # Shapes of the arguments every program takes: programs compile from these alone, on
         # any thread, while steps donate and replace the arrays themselves.
         self._argument_shapes = jax.tree.map(_shape_of, (self._param_leaves(), self._state))
@@ -293,7 +300,7 @@ class Engine:
         program = self._program_for(work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
-        ints, floats = jax.device_put((inputs.ints, inputs.floats))
+        ints, floats = jax.device_put((inputs.ints, inputs.floats), self._whole)
         self._state, committed_RP = self._executable(program)(self._param_leaves(), self._state, ints, floats)
         self.scheduler.launched(work)
         return _Launched(work, committed_RP)
@@ -330,7 +337,7 @@ class Engine:
         sizes has compiled it yet."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
-            return (*self._argument_shapes, _shape_of(inputs.ints), _shape_of(inputs.floats), inputs.layout,
+            return (*self._argument_shapes, _shape_of(inputs.ints, self._whole), _shape_of(inputs.floats, self._whole), inputs.layout,
                     program.greedy)
 
         return self._executables.get(self._key(program), shapes)
@@ -392,9 +399,10 @@ class Engine:
         return flatten_models(self._models)[1]
 
 
-def _shape_of(array) -> jax.ShapeDtypeStruct:
+def _shape_of(array, sharding=None) -> jax.ShapeDtypeStruct:
+    """`array`'s shape, dtype and placement (`sharding` for a host array about to be sent there)."""
     return jax.ShapeDtypeStruct(array.shape, array.dtype, weak_type=getattr(array, "weak_type", False),
-                                sharding=getattr(array, "sharding", None))
+                                sharding=getattr(array, "sharding", sharding))
 
 
 class _Executables:
@@ -437,6 +445,9 @@ def _executables(treedefs, cfg: CycleConfig) -> _Executables:
             remaining_R = jnp.where(batch.remaining_R > 0, last_pos_R - batch.anchor_pos_R, 0)
         batch = dataclasses.replace(batch, remaining_R=remaining_R)
         state, committed = speculative_cycle(models, state, batch, dataclasses.replace(cfg, greedy=greedy))
+        mesh = models[0].mesh  # the donated state comes back placed as it went in (see Engine._whole)
+        state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
+            "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
         packed_RP = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
                                      committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
         return state, packed_RP
