@@ -249,7 +249,8 @@ def test_keyboard_interrupt_in_process_exits_130(monkeypatch, capsys, tmp_path):
 # A conversion that stops after writing its checkpoint into the staging folder, so a signal
 # arrives while the staging folder is full.
 SLOW_CONVERT = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: a background job inherits it ignored
 import convert.hf_to_nnx as h
 real = h.save_checkpoint
 def slow(*args, **kwargs):
