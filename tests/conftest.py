@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+import dflash_jax.cli
+
+# A CLI command run in this process would turn JAX's persistent compilation cache on for the
+# rest of the suite, writing every later test's programs to the user's cache folder (and
+# serializing executables that no test asked to keep). Commands run as subprocesses keep it.
+dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 
 
 @pytest.fixture(autouse=True, scope="module")
