@@ -453,3 +453,10 @@ def _executables(treedefs, cfg: CycleConfig) -> _Executables:
         return state, packed_RP
 
     return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(4, 5)))
+
+
+def clear_compiled_programs() -> None:
+    """Forget the step programs compiled for Engines (engines alive keep theirs), as
+    `jax.clear_caches()` does for jitted functions, which does not reach these: a process
+    that builds engines for many models otherwise keeps every executable it compiled."""
+    _executables.cache_clear()

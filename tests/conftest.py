@@ -25,7 +25,10 @@ def release_compiled_programs():
     yield
     import jax
 
+    from dflash_jax.engine import clear_compiled_programs
+
     jax.clear_caches()
+    clear_compiled_programs()
     gc.collect()
 
 
