@@ -6,7 +6,8 @@
 #
 #   bash bench/compare_plan.sh COMMIT STEP [STEP ...]     # on the device; results under $OUT
 #
-# Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape),
+# Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape), split
+# (bench/engine_step_split.py, and this tree with --plain-key),
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
@@ -26,17 +27,6 @@ in_tree() {  # tree (before | after), then a command run from that tree's root w
     local root=$here
     [ "$tree" = before ] && root=$here/.before
     (cd "$root" && PYTHONPATH=$root${GGUF_SITE:+:$GGUF_SITE} "$@")
-}
-
-smollm2_target() {  # the carried GGUF parts, joined and converted once (in /tmp/carry/smollm2)
-    [ -f /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/carry/gguf.part* > /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf
-    md5sum /tmp/carry/*.gguf
-    [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/carry/gguf-*.whl > /dev/null 2>&1
-    export PYTHONPATH=$PYTHONPATH:/tmp/site GGUF_SITE=/tmp/site
-    [ -d /tmp/carry/smollm2 ] || timeout 120 python3 -m dflash_jax.cli convert \
-        /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/smollm2 > "$out/convert.log" 2>&1
-    mkdir -p /tmp/carry/cache && ln -sfn /tmp/carry/smollm2 /tmp/carry/cache/smollm2-135m  # the demo's cache layout
-    ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
 }
 
 decode_both() {  # name, limit, then bench_decode arguments
@@ -68,6 +58,15 @@ for step in "$@"; do
             tests/test_finish_heads_kernel.py tests/test_rms_norm_kernel.py tests/test_dflash_layout.py > "$out/gpu_tests.log" 2>&1
         echo "   rc=$? $(tail -1 "$out/gpu_tests.log")" ;;
     b1) decode_both b1 110 --points 1x1k --sections generate,steps ;;
+    split)  # the Engine's DFlash step, host and device (bench/engine_step_split.py; copied into .before/bench)
+        for variant in before after plain-key; do
+            tree=$variant flag=
+            [ "$variant" = plain-key ] && tree=after flag=--plain-key
+            echo "== split $variant"
+            in_tree $tree timeout ${SPLIT_LIMIT:-240} python3 bench/engine_step_split.py --points ${SPLIT_POINTS:-1x1k,8x1k} \
+                $flag --out "$out/split-$variant.json" > "$out/split-$variant.log" 2>&1
+            echo "   rc=$?"; grep -v Warning "$out/split-$variant.log" | tail -3
+        done ;;
     engine) decode_both engine 100 --points 1x1k,8x1k --sections engine ;;
     b32) decode_both b32 100 --points 32x1k --block-sizes 8,4 --sections generate ;;
     overhead)

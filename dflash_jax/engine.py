@@ -166,7 +166,8 @@ class Engine:
         # Shapes of the arguments every program takes: programs compile from these alone, on
         # any thread, while steps donate and replace the arrays themselves.
         self._argument_shapes = jax.tree.map(_shape_of, (self._param_leaves(), self._state))
-        self._argument_shapes_key = (jax.tree.structure(self._argument_shapes), *jax.tree.leaves(self._argument_shapes))
+        self._argument_shapes_key = _HashedOnce((jax.tree.structure(self._argument_shapes),
+                                                 *jax.tree.leaves(self._argument_shapes)))
         self._keys: dict[Program, tuple] = {}
         self.programs: tuple[Program, ...] = tuple(programs(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=1 + self.num_drafts))
@@ -403,6 +404,23 @@ def _shape_of(array, sharding=None) -> jax.ShapeDtypeStruct:
     """`array`'s shape, dtype and placement (`sharding` for a host array about to be sent there)."""
     return jax.ShapeDtypeStruct(array.shape, array.dtype, weak_type=getattr(array, "weak_type", False),
                                 sharding=getattr(array, "sharding", sharding))
+
+
+class _HashedOnce:
+    """A key hashed once: the argument shapes of a large model are hundreds of leaves, and
+    hashing them anew would add to every step's program lookup on the host."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _HashedOnce) and self._hash == other._hash
+                                 and self.value == other.value)
 
 
 class _Executables:
