@@ -37,7 +37,7 @@ def test_every_scheduled_batch_has_a_program(log_reqs, log_tokens_over, num_draf
     for i, (prompt_len, max_new, greedy) in enumerate(requests):
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else 1.0)
         s.add(Request(i, prompt_len, list(range(1, prompt_len + 1)), params, RequestStats()))
-    for _ in range(200):
+    for _ in range(sum(prompt_len + max_new for prompt_len, max_new, _ in requests)):  # a token a step at least
         work = s.schedule()
         if not work:
             break
