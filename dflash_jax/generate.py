@@ -73,6 +73,7 @@ def generate(
     kernels: Kernels = Kernels(),
     draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
     mesh: Mesh | None = None,
+    compile_only: bool = False,
 ) -> GenerateResult:
     """DFlash speculative decoding of a static batch of prompts (token id lists).
 
@@ -89,6 +90,10 @@ def generate(
     mesh: run tensor-parallel over its "model" axis (`sharding.make_mesh`); models loaded
     with it run there as they are, others are placed on it first (a copy through the host,
     at every call: load them with `mesh=` instead). Without it the models run where they are.
+    compile_only: compile the program these arguments run (or load it from the compilation
+    cache) without decoding; the result has no tokens and elapsed_s is the compile time. A
+    later call with arguments of the same shapes runs it without compiling: a warm-up that
+    costs no decode.
     """
     target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
@@ -96,7 +101,8 @@ def generate(
     block_size = resolve_block_size(drafter.cfg, block_size)
     draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-    return _run(target, drafter, prompts, params, block_size - 1, draft_block_size, page_size, kernels, draft_sampling)
+    return _run(target, drafter, prompts, params, block_size - 1, draft_block_size, page_size, kernels, draft_sampling,
+                compile_only)
 
 
 def generate_autoregressive(
@@ -113,12 +119,13 @@ def generate_autoregressive(
     page_size: int = 16,
     kernels: Kernels = Kernels(),
     mesh: Mesh | None = None,
+    compile_only: bool = False,
 ) -> GenerateResult:
-    """Plain one-token-per-step decoding through the same cycle: the baseline (`mesh` as for
-    `generate`)."""
+    """Plain one-token-per-step decoding through the same cycle: the baseline (`mesh` and
+    `compile_only` as for `generate`)."""
     (target,) = on_one_mesh((target,), mesh)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-    return _run(target, None, prompts, params, 0, 1, page_size, kernels, DEFAULT_DRAFT_SAMPLING)
+    return _run(target, None, prompts, params, 0, 1, page_size, kernels, DEFAULT_DRAFT_SAMPLING, compile_only)
 
 
 def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids) -> dict:
@@ -141,7 +148,7 @@ def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_toke
 
 
 def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, page_size, kernels,
-         draft_sampling) -> GenerateResult:
+         draft_sampling, compile_only) -> GenerateResult:
     start = time.perf_counter()  # elapsed_s: the whole call, as its caller waits for it
     page_size = check_count("page_size", page_size)
     params["stop_token_ids"] = tuple(check_stop_token_ids(params["stop_token_ids"], target.cfg.vocab_size))
@@ -182,10 +189,13 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
     treedefs, leaves = flatten_models((target,) if drafter is None else (target, drafter))
     # Host arrays go to the program as numpy: jit transfers them with its arguments, no
     # eager op per array.
-    out = _program(leaves, _prefill_batch(prompts, page_table, page_size), np.int32(max_new_tokens), sampling_rows,
-                   np.ascontiguousarray(stop_ids_RX), capacity=capacity, page_size=page_size, cfg=cfg,
-                   treedefs=treedefs)
-    tokens, num_generated, accepted, num_cycles = jax.device_get(out)
+    arguments = (leaves, _prefill_batch(prompts, page_table, page_size), np.int32(max_new_tokens), sampling_rows,
+                 np.ascontiguousarray(stop_ids_RX))
+    static = dict(capacity=capacity, page_size=page_size, cfg=cfg, treedefs=treedefs)
+    if compile_only:  # the jitted function keeps the executable for the call that runs it
+        _program.lower(*arguments, **static).compile()
+        return GenerateResult([[] for _ in prompts], [[] for _ in prompts], time.perf_counter() - start)
+    tokens, num_generated, accepted, num_cycles = jax.device_get(_program(*arguments, **static))
     elapsed = time.perf_counter() - start
     return GenerateResult(
         token_ids=[tokens[r, : num_generated[r]].tolist() for r in range(num_reqs)],

@@ -18,11 +18,8 @@ import dflash_jax.cli
 dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def release_compiled_programs():
-    """Drop each module's compiled programs when it ends: a long CPU run otherwise piles up
-    thousands of XLA executables (and their memory maps) until compilation itself crashes."""
-    yield
+def release_compiled_programs() -> None:
+    """Forget every compiled program no live object holds (jitted functions' and Engines')."""
     import jax
 
     from dflash_jax.engine import clear_compiled_programs
@@ -30,6 +27,43 @@ def release_compiled_programs():
     jax.clear_caches()
     clear_compiled_programs()
     gc.collect()
+
+
+def memory_mappings() -> int:
+    """This process's memory mappings (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def max_memory_mappings() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+# XLA's CPU backend maps each compiled kernel's code into memory on its own (a step program of
+# a tiny model: some hundred mappings), so a long run reaches the kernel's limit of mappings
+# per process and the next compilation crashes. Programs are dropped well before that.
+MAPPINGS_BEFORE_RELEASE = max_memory_mappings() // 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_each_modules_programs():
+    """Drop each module's compiled programs when it ends: the next module's models differ."""
+    yield
+    release_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def release_programs_before_the_mapping_limit():
+    """Within a module, drop compiled programs once they hold half the mappings allowed."""
+    yield
+    if memory_mappings() > MAPPINGS_BEFORE_RELEASE:
+        release_compiled_programs()
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:

@@ -219,3 +219,31 @@ def test_drafter_for_another_target_is_refused(pair, tmp_path):
     other = dflash_jax.load_target(save_hf(make_hf_target("qwen3", num_hidden_layers=2), tmp_path / "t"))
     with pytest.raises(ValueError, match="target has 2 layers"):
         generate(other, drafter, [[1, 2]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_compile_only_compiles_what_the_next_call_runs(pair, caplog, speculative):
+    """A compile-only call decodes nothing and compiles the program; the same call then runs
+    it without compiling (a warm-up that costs no decode)."""
+    import jax
+
+    _, _, target, drafter = pair
+    prompts = [list(range(50, 61))]  # a prompt length no other test compiles for
+    options = dict(max_new_tokens=9, block_size=3) if speculative else dict(max_new_tokens=9)
+
+    def decode(**more):
+        if speculative:
+            return generate(target, drafter, prompts, **options, **more)
+        return generate_autoregressive(target, prompts, **options, **more)
+
+    def compiled_programs():
+        return [r for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of jit(_program)")]
+
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        warm = decode(compile_only=True)
+        assert warm.token_ids == [[]] and warm.accepted_lengths == [[]] and warm.elapsed_s > 0
+        assert len(compiled_programs()) == 1
+        caplog.clear()
+        out = decode()
+        assert compiled_programs() == []
+    assert len(out.token_ids[0]) == 9
