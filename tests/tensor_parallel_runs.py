@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dflash_jax import Engine, Kernels, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
+from dflash_jax.buckets import Program  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.models import Drafter, Target  # noqa: E402
 from dflash_jax.placement import place_model  # noqa: E402
@@ -141,10 +142,7 @@ def hlo() -> dict:
     target, drafter = models(cfg, 4, drafter_kv_heads=4)
     for name, pair in (("target", (target, None)), ("cycle", (target, drafter))):
         engine = Engine(*pair, max_num_reqs=2, max_num_tokens=16, page_size=8)
-        inert = engine._step_inputs(2, 16)
-        compiled = engine._step_program.lower(engine._param_leaves(), engine._state, inert.ints, inert.floats,
-                                              inert.layout, True).compile()
-        out[name] = collectives(compiled.as_text())
+        out[name] = collectives(engine._executable(Program(rows=2, tokens=16, greedy=True)).as_text())
     one_device = models(cfg, 1, drafter_kv_heads=4)
     for model, single in zip((target, drafter), one_device):
         name = model.cfg.kind
