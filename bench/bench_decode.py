@@ -9,13 +9,24 @@ anchors and projected tokens/s, measured in one process.
     python bench/bench_decode.py --points 32x1k --block-sizes 16,8,4 --sections generate,steps --out ...
     python bench/bench_decode.py --small --torch-anchors --profile --out /tmp/decode.json  # CPU smoke test
     python bench/bench_decode.py --model smollm2-135m --dtype float32 --points 1x1k --sections generate ...
+    python bench/bench_decode.py --model qwen3-32b --tensor-parallel 4 --points 1x1k,32x1k \
+        --sections generate,engine --out ...   # one model over 4 devices (bench/tp_plan.sh)
 
 Models: a Qwen3-8B-shaped target (36 layers, hidden 4096, 32 / 8 heads, head_dim 128,
 intermediate 12288, vocab 151936) and a Qwen3-8B-DFlash-b16-shaped drafter (5 layers, block
-16, target layers [1, 9, 17, 25, 33], mask 151669); or, with `--model smollm2-135m`,
-SmolLM2-135M's shape and the shipped drafter's (the launch-bound end). Random weights
-(bf16, or `--dtype float32`) are drawn on the device, one small jit per shape: nothing
-crosses the host.
+16, target layers [1, 9, 17, 25, 33], mask 151669); with `--model qwen3-32b`, Qwen3-32B's
+shape (64 layers, hidden 5120, 64 / 8 heads, intermediate 25600) and a drafter of the same
+form at its sizes (5 layers, target layers [1, 16, 31, 46, 61]); or, with `--model
+smollm2-135m`, SmolLM2-135M's shape and the shipped drafter's (the launch-bound end). Random
+weights (bf16, or `--dtype float32`) are drawn on the device, one small jit per shape.
+
+--tensor-parallel N: the models run over a ("data", "model") mesh of the first N devices
+(`sharding.make_mesh(N, 1)`). They are drawn on the first device, then placed
+(`placement.shard_model`, which copies them through the host once: for the 32B shape ~65 GB
+of host memory and more for the reordered fused matrices); the sections' calls follow the
+mesh the models carry. The copy bandwidth is the first device's; floors use N times it.
+The steps section works on the mesh too; the PyTorch anchors and --profile are one-device
+measures and are refused.
 
 A point is (batch B, context C): B prompts of C random tokens. Sections, in this order, each
 over every point and attention implementation (skipped, with the reason, once --budget-s
@@ -122,7 +133,13 @@ DRAFTER_SMOLLM2 = dict(DRAFTER_8B, vocab_size=49152, hidden_size=576, intermedia
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
                        max_position_embeddings=8192, num_target_layers=30,
                        dflash_config=dict(mask_token_id=16, target_layer_ids=[1, 8, 14, 20, 27], block_size=16))
+# --model qwen3-32b: Qwen3-32B's shape, with a drafter of the 8B drafter's form at its sizes
+# (target layers spread from 1 to 61 as the 8B's from 1 to 33: config.default_target_layer_ids).
+TARGET_32B = dict(TARGET_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)
+DRAFTER_32B = dict(DRAFTER_8B, hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_target_layers=64,
+                   dflash_config=dict(mask_token_id=151669, target_layer_ids=[1, 16, 31, 46, 61], block_size=16))
 MODELS = {"qwen3-8b": ("Qwen3-8B shape", TARGET_8B, DRAFTER_8B),
+          "qwen3-32b": ("Qwen3-32B shape", TARGET_32B, DRAFTER_32B),
           "smollm2-135m": ("SmolLM2-135M shape", TARGET_SMOLLM2, DRAFTER_SMOLLM2),
           "small": ("small CPU shapes", TARGET_SMALL, DRAFTER_SMALL)}
 # Issue 6's order of importance: its targets are at 1x1k and 32x1k.
@@ -262,10 +279,16 @@ class Pair:
     lm_head_bytes: int
 
 
-def build_pair(model, dtype="bfloat16", seed=0):
+def build_pair(model, dtype="bfloat16", seed=0, mesh=None):
+    """The random target and drafter of MODELS[model], placed on `mesh` if one is given (one at
+    a time: the first device holds a whole one-device model only while it is placed)."""
+    from dflash_jax.placement import shard_model
+
     _, target_config, drafter_config = MODELS[model]
-    target = random_model(target_config, seed, dtype)
-    drafter = random_model(drafter_config, seed + 1, dtype)
+    target = shard_model(random_model(target_config, seed, dtype), mesh)
+    gc.collect()
+    drafter = shard_model(random_model(drafter_config, seed + 1, dtype), mesh)
+    gc.collect()
     cfg = target.cfg
     return Pair(target, drafter, param_bytes(target, skip_embedding=True), param_bytes(drafter),
                 cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)
@@ -281,8 +304,11 @@ def pages_per_request(context, capacity, num_drafts):
 
 
 def memory_needed(pair, batch, context, capacity, block):
-    """Bytes a point needs at most: weights, one target + drafter KV cache set, and room for
-    the verify logits and a prefill's activations (a rough upper bound)."""
+    """Bytes a point needs at most on each device: weights, one target + drafter KV cache set,
+    and room for the verify logits and a prefill's activations (a rough upper bound), split
+    evenly over the devices of the models' mesh."""
+    from dflash_jax.sharding import tensor_parallel_size
+
     t, d = pair.target.cfg, pair.drafter.cfg
     num_drafts = block - 1
     slots = batch * pages_per_request(context, capacity, num_drafts) * PAGE_SIZE
@@ -290,7 +316,7 @@ def memory_needed(pair, batch, context, capacity, block):
     weights = pair.target_stream_bytes + pair.lm_head_bytes + pair.drafter_bytes
     logits = 3 * batch * (num_drafts + 1) * t.vocab_size * 4
     prefill = next_pow2(batch * context) * (3 * t.intermediate_size + 4 * t.hidden_size) * pair.target.dtype.itemsize
-    return weights + kv + logits + prefill
+    return (weights + kv + logits + prefill) / tensor_parallel_size(pair.target.mesh)
 
 
 def device_memory_limit():
@@ -768,7 +794,8 @@ def torch_worker(spec_path):
 # ---- report -------------------------------------------------------------------------------------
 
 def derived(result, copy_Bps):
-    """Per point: AR step, DFlash cycle per block size, bandwidth and projections."""
+    """Per point: AR step, DFlash cycle per block size, bandwidth and projections; `copy_Bps`
+    is the copy rate of every device the models span together."""
     gen, eng, steps = result.get("generate") or {}, result.get("engine") or {}, result.get("steps") or {}
     ar_gen = (gen.get("ar") or {}).get("per_iter_s")
     ar_step = (steps.get("ar_step") or {}).get("s")
@@ -808,12 +835,16 @@ def fmt(value, digits=2):
 def report(run):
     lines = []
     info = run["versions"]
+    tp = run.get("tensor_parallel", 1)
     lines.append(f"# Decode benchmark: {MODELS[run.get('model', 'qwen3-8b')][0]}, {run.get('dtype', 'bfloat16')}, "
-                 f"{info['device']}")
+                 f"{info['device']}{f' x {tp} (tensor parallel)' if tp > 1 else ''}")
     lines.append("")
     lines.append(f"Date {run['date']}; commit `{run['commit']}`; jax {info['jax']} ({info['backend']}), "
                  f"Python {info['python']}, flax {info.get('flax')}; command `{run['command']}`.")
     copy = run.get("copy_Bps")
+    if tp > 1:
+        lines.append(f"Tensor parallel over {tp} of the {info['num_devices']} devices (one mesh); bytes and "
+                     f"floors below are the whole model's, over {tp} x the first device's copy bandwidth.")
     lines.append(f"Device copy bandwidth (read + write): {fmt(copy and copy / 1e12, 3)} TB/s. "
                  f"Weights streamed per target step: {run['target_stream_bytes'] / 1e9:.2f} GB "
                  f"(drafter {run['drafter_bytes'] / 1e9:.2f} GB).")
@@ -914,7 +945,8 @@ def report(run):
                              f"| {fmt(per.get('memcpy'), 1)} | {fmt(per.get('memcpy_dtoh'), 1)} |")
             if profile.get("error"):
                 lines.append(f"\nProfile error ({profile.get('attention_impl')}): {profile['error']}")
-    if run.get("model", "qwen3-8b") == "qwen3-8b" and run.get("dtype", "bfloat16") == "bfloat16":  # issue 6's setting
+    if (run.get("model", "qwen3-8b") == "qwen3-8b" and run.get("dtype", "bfloat16") == "bfloat16"
+            and run.get("tensor_parallel", 1) == 1):  # issue 6's setting
         lines += ["", "## Issue 6 targets", "", "| target | measured | met |", "|---|---|---|"]
         for target in targets(run):
             lines.append(f"| {target[0]} | {target[1]} | {target[2]} |")
@@ -994,11 +1026,17 @@ def main(argv=None):
                         help="run generate / engine with the reference attention only if B x C^2 <= this")
     parser.add_argument("--copy-gb", type=float, default=None, help="array size of the copy measurement")
     parser.add_argument("--compile-cache", default=None, help="jax persistent compilation cache folder")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="run the models over a mesh of the "
+                        "first N devices (1: one device, no mesh)")
     parser.add_argument("--commit", default=None, help="commit to record (default: git describe)")
     parser.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.torch_anchors and opts.dtype != "bfloat16":
         parser.error("--torch-anchors runs the PyTorch anchors in bfloat16: drop it or --dtype float32.")
+    if opts.tensor_parallel < 1:
+        parser.error("--tensor-parallel must be at least 1.")
+    if opts.tensor_parallel > 1 and (opts.torch_anchors or opts.profile):
+        parser.error("--torch-anchors and --profile measure one device: drop them or --tensor-parallel.")
     if opts.torch_worker:
         return torch_worker(opts.torch_worker)
 
@@ -1031,8 +1069,13 @@ def main(argv=None):
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         parser.error(f"unknown sections {bad}; choose from {SECTIONS}")
+    tp = opts.tensor_parallel
+    if tp > jax.device_count():
+        parser.error(f"--tensor-parallel {tp} needs {tp} devices; there are {jax.device_count()}.")
     from dflash_jax.kernels import Kernels
+    from dflash_jax.sharding import make_mesh
 
+    mesh = make_mesh(tp, 1, devices=jax.devices()[:tp]) if tp > 1 else None
     base_kernels = Kernels.parse(opts.kernels)
     opts.kernels_for = lambda impl: dataclasses.replace(base_kernels, attention=impl)
     for impl in impls:
@@ -1044,7 +1087,7 @@ def main(argv=None):
 
     run = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                commit=opts.commit or commit_of(REPO), versions=versions(), small=small,
-               model="small" if small else opts.model, dtype=opts.dtype,
+               model="small" if small else opts.model, dtype=opts.dtype, tensor_parallel=tp,
                command="python bench/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
@@ -1066,8 +1109,9 @@ def main(argv=None):
 
     print(json.dumps(run["versions"]), flush=True)
     t0 = time.perf_counter()
-    pair = build_pair(run["model"], opts.dtype)
-    note(f"models built on the device in {time.perf_counter() - t0:.1f} s")
+    pair = build_pair(run["model"], opts.dtype, mesh=mesh)
+    note(f"models built on the device{f' and placed on {tp} devices' if mesh else ''} in "
+         f"{time.perf_counter() - t0:.1f} s")
     run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,
                lm_head_bytes=pair.lm_head_bytes, target_config=MODELS[run["model"]][1],
                drafter_config=MODELS[run["model"]][2])
@@ -1106,7 +1150,7 @@ def main(argv=None):
                           memory_estimate_bytes=need, ar_bytes=pair.target_stream_bytes + kv_target,
                           cycle_bytes=(pair.target_stream_bytes + pair.drafter_bytes + pair.lm_head_bytes
                                        + kv_target + kv_drafter))
-            result["derived"] = derived(result, run["copy_Bps"])
+            result["derived"] = derived(result, run["copy_Bps"] * tp)
             run["points"].append(result)
             work.append((result, prompts))
 
@@ -1147,7 +1191,7 @@ def main(argv=None):
             else:
                 result[section] = guarded(section_steps, pair, batch, context, impl, opts, rng)
             gc.collect()
-            result["derived"] = derived(result, run["copy_Bps"])
+            result["derived"] = derived(result, run["copy_Bps"] * tp)
             cycles = {b: fmt(ms(v["cycle_s"])) for b, v in result["derived"]["blocks"].items()}
             note(f"{tag} done in {time.perf_counter() - t0:.1f} s: AR {fmt(ms(result['derived']['ar_s']))} ms, "
                  f"cycle ms by block {cycles}")

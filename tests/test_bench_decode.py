@@ -1,13 +1,17 @@
 """bench/bench_decode.py end to end on the tiny CPU shapes, so the H200 benchmark cannot rot
-between device sessions: every section runs and records its numbers, in both dtypes."""
+between device sessions: every section runs and records its numbers, in both dtypes, and on a
+tensor-parallel mesh of fake devices."""
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 import bench_decode  # noqa: E402
 
 
@@ -38,3 +42,29 @@ def test_torch_anchors_refuse_float32(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_decode.main(["--small", "--torch-anchors", "--dtype", "float32", "--out", str(tmp_path / "x.json")])
     assert "bfloat16" in capsys.readouterr().err
+
+
+def test_tensor_parallel_run_records_its_size(tmp_path):
+    """The sections bench/tp_plan.sh runs, at --tensor-parallel 2 over 2 fake CPU devices, in
+    a fresh interpreter (the device count is fixed when jax starts)."""
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}  # compile time dominates this run
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_decode.py"), "--small", "--tensor-parallel", "2",
+                           "--points", "1x128", "--sections", "generate,engine", "--reps", "1", "--engine-steps", "3",
+                           "--copy-gb", "0.004", "--commit", "test", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = json.loads(out.read_text())
+    assert run["tensor_parallel"] == 2 and run["versions"]["num_devices"] == 2 and not run["skipped"]
+    derived = run["points"][0]["derived"]
+    assert derived["ar_s"] is not None and derived["blocks"]["16"]["cycle_s"] is not None
+    assert derived["engine_s"] > 0 and derived["engine_dflash_s"] > 0
+    assert "x 2 (tensor parallel)" in out.with_suffix(".md").read_text().splitlines()[0]
+
+
+def test_one_device_measures_refuse_tensor_parallel(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--small", "--profile", "--tensor-parallel", "2", "--out", str(tmp_path / "x.json")])
+    assert "--tensor-parallel" in capsys.readouterr().err
