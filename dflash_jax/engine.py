@@ -338,8 +338,8 @@ class Engine:
         sizes has compiled it yet."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
-            return (*self._argument_shapes, _shape_of(inputs.ints, self._whole), _shape_of(inputs.floats, self._whole), inputs.layout,
-                    program.greedy)
+            return (*self._argument_shapes, _shape_of(inputs.ints, self._whole), _shape_of(inputs.floats, self._whole),
+                    inputs.layout, program.greedy)
 
         return self._executables.get(self._key(program), shapes)
 

@@ -57,9 +57,9 @@ class Drafter(nnx.Module):
         if cfg.attention_bias:
             kv_SX = kv_SX + jnp.stack([bias for _, bias in weights], axis=1).reshape(-1)
         kv_SGL2KH = kv_SX.reshape(ctx_SD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
-        num_kv_heads = shards * kv_SGL2KH.shape[4]  # spelled out: S may be 0 (no context yet)
-        kv_heads = [jnp.swapaxes(kv_SGL2KH[:, :, :, i], 1, 2).reshape(ctx_SD.shape[0], cfg.num_layers, num_kv_heads,
-                                                                       cfg.head_dim)
+        # No -1 in the shape: S is 0 before there is any context.
+        kv_heads = [jnp.swapaxes(kv_SGL2KH[:, :, :, i], 1, 2).reshape(ctx_SD.shape[0], cfg.num_layers,
+                                                                       cfg.num_kv_heads, cfg.head_dim)
                     for i in (0, 1)]  # keys, values: [S, L, K, H]
         return [
             layer.self_attn.finish_kv(kv_heads[0][:, i], kv_heads[1][:, i], positions_S)
