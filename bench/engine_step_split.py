@@ -7,13 +7,16 @@ tree's `bench_decode`), so one device call can compare two commits:
     python3 bench/engine_step_split.py --points 1x1k,8x1k --out split.json
 
 `--plain-key` (this tree only) times the program lookup with its key hashed at every step,
-as before the key was hashed once.
+as before the key was hashed once. `--profile N` prints the N host functions with the most
+own time in as many more synchronous steps (cProfile), to compare two trees line by line.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -23,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 
 
-def time_steps(pair, prompts, kernels, *, async_scheduling: bool, steps: int) -> dict:
+def time_steps(pair, prompts, kernels, *, async_scheduling: bool, steps: int, profile: int = 0) -> dict:
     from dflash_jax.engine import Engine, SamplingParams
     from pallas_kernels.common import next_pow2
 
     batch, context = len(prompts), len(prompts[0])
     budget = max(next_pow2(batch), min(next_pow2(batch * context), 8192))
-    max_new = 2 * (steps + 4 + -(-batch * context // budget))
+    max_new = 2 * (2 * steps + 4 + -(-batch * context // budget))
     engine = Engine(pair.target, pair.drafter, max_num_reqs=next_pow2(batch), max_num_tokens=budget,
                     max_model_len=context + max_new + 32, kernels=kernels, async_scheduling=async_scheduling)
     launch_s = []
@@ -49,10 +52,14 @@ def time_steps(pair, prompts, kernels, *, async_scheduling: bool, steps: int) ->
         engine.step()
     launch_s.clear()
     samples = []
+    profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         samples.append(time.perf_counter() - t0)
+    if profiler is not None:  # after the timed steps, so that they carry no profiling cost
+        profiler.runcall(lambda: [engine.step() for _ in range(steps)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     return dict(step_s=statistics.median(samples), spread_s=[min(samples), max(samples)],
                 launch_s=statistics.median(launch_s), samples_s=samples)
 
@@ -65,6 +72,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(bench_decode.MODELS))
     parser.add_argument("--attention-impl", default="pallas")
     parser.add_argument("--plain-key", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import numpy as np
@@ -83,7 +91,8 @@ def main(argv=None) -> None:
         prompts = bench_decode.prompts_for(rng, pair.target.cfg.vocab_size, batch, context)
         row = dict(point=f"{batch}x{context}")
         for name, async_scheduling in (("async", True), ("sync", False)):
-            row[name] = time_steps(pair, prompts, kernels, async_scheduling=async_scheduling, steps=args.steps)
+            row[name] = time_steps(pair, prompts, kernels, async_scheduling=async_scheduling, steps=args.steps,
+                                   profile=0 if async_scheduling else args.profile)
         results.append(row)
         print(f"{row['point']}: async {row['async']['step_s'] * 1e3:.2f} ms, sync {row['sync']['step_s'] * 1e3:.2f} ms,"
               f" host launch {row['sync']['launch_s'] * 1e3:.2f} ms", flush=True)

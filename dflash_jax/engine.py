@@ -166,8 +166,8 @@ class Engine:
         # Shapes of the arguments every program takes: programs compile from these alone, on
         # any thread, while steps donate and replace the arrays themselves.
         self._argument_shapes = jax.tree.map(_shape_of, (self._param_leaves(), self._state))
-        self._argument_shapes_key = _HashedOnce((jax.tree.structure(self._argument_shapes),
-                                                 *jax.tree.leaves(self._argument_shapes)))
+        self._argument_shapes_key = self._executables.canonical(_HashedOnce(
+            (jax.tree.structure(self._argument_shapes), *jax.tree.leaves(self._argument_shapes))))
         self._keys: dict[Program, tuple] = {}
         self.programs: tuple[Program, ...] = tuple(programs(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=1 + self.num_drafts))
@@ -430,8 +430,14 @@ class _Executables:
     def __init__(self, jitted):
         self.jitted = jitted
         self.compiled: dict = {}
+        self._canonical: dict = {}
         self._locks: dict = {}
         self._locks_lock = threading.Lock()
+
+    def canonical(self, key: _HashedOnce) -> _HashedOnce:
+        """The one object standing for `key`'s value here: engines of the same models and
+        sizes then find their programs by identity, without comparing every leaf's shape."""
+        return self._canonical.setdefault(key, key)
 
     def get(self, key, shapes: Callable[[], tuple]):
         """The executable for `key`, compiled from the argument shapes `shapes()` if new."""

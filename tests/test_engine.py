@@ -155,8 +155,10 @@ def test_no_compilation_after_precompile(models):
     assert Engine.num_traces() == traces
     assert generated > 100  # the engine did serve requests meanwhile
 
-    # Another engine of the same models and shape runs the programs already compiled.
+    # Another engine of the same models and shape runs the programs already compiled, and
+    # finds them by the first engine's key object (no leaf-by-leaf comparison per step).
     again = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
+    assert again._argument_shapes_key is engine._argument_shapes_key
     run(again, PROMPTS, SamplingParams(max_new_tokens=8))
     assert Engine.num_traces() == traces
 
