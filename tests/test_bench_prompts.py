@@ -12,6 +12,7 @@ import prompt_sets  # noqa: E402
 from dflash_jax.demo import QUESTIONS  # noqa: E402
 from dflash_jax.tokenizer import ChatTokenizer  # noqa: E402
 from dflash_jax.train.prompts import INSTRUCTIONS, template_requests  # noqa: E402
+from dflash_jax.train.task_prompts import FOLLOW_UPS, REWRITES, code_prompts, math_prompts  # noqa: E402
 from test_cli_generate import models_dir  # noqa: E402, F401 (a fixture)
 
 CATEGORIES = ("everyday", "math", "code", "rewrite", "multi-turn")
@@ -25,7 +26,9 @@ def test_diverse_set_is_varied_and_unseen_in_training():
     assert len(set(texts)) == len(texts)
     training = {t.lower() for t in template_requests()} | {q.lower() for q in QUESTIONS}
     assert not training & {t.lower() for t in texts}
-    assert not any(t.startswith(i.split("{")[0]) for t in texts for i in INSTRUCTIONS)
+    assert not any(t.startswith(i.split("{")[0]) for t in texts for i in INSTRUCTIONS + REWRITES)
+    tasks = {m[0]["content"].lower() for m in math_prompts(5000, seed=0) + code_prompts(960, seed=0)}
+    assert not (tasks | {f.lower() for f in FOLLOW_UPS}) & {t.lower() for t in texts}
     for turns, category in zip(messages, categories):
         roles = [m["role"] for m in turns]
         assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]

@@ -88,19 +88,25 @@ def test_prompt_sources(tmp_path):
     assert chat.stop_token_ids == [words.index("<eos>")]
 
 
-def test_build_data_from_self_instruct(tmp_path, monkeypatch):
-    """`--self-instruct N`: the target's list continuations become chat prompts, then answered."""
+def save_word_target(path):
+    """A tiny target at `path` with a word-level tokenizer and chat template; its words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     target, _ = tiny_pair()
-    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
+    save_checkpoint(target, to_hf_config(target.cfg), path)
     letters = "abcdefghij"
     words = ["<eos>", "user:", "assistant:", "\n"] + [f"w{letters[i // 10]}{letters[i % 10]}" for i in range(60)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(tmp_path / "target" / "tokenizer.json"))
+    tokenizer.save(str(path / "tokenizer.json"))
     template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-    (tmp_path / "target" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<eos>"}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<eos>"}))
+    return words
+
+
+def test_build_data_from_self_instruct(tmp_path, monkeypatch):
+    """`--self-instruct N`: the target's list continuations become chat prompts, then answered."""
+    words = save_word_target(tmp_path / "target")
 
     def generate(target, prompts, *, max_new_tokens, temperature=0.0, seed=0, **kwargs):
         """List continuations are three words and a newline (distinct for 20 prompts); answers greedy."""
@@ -119,3 +125,14 @@ def test_build_data_from_self_instruct(tmp_path, monkeypatch):
     # each prompt: "user: wA wB wC assistant:" (5 ids), then 4 answer tokens
     assert mask.sum(1).tolist() == [4] * 5 and not mask[:, :5].any()
     assert (ids[:, 0] == words.index("user:")).all() and (ids[:, 4] == words.index("assistant:")).all()
+
+
+def test_build_data_from_task_prompts(tmp_path, monkeypatch):
+    """`--tasks N`: N template word problems and code requests, each answered at each temperature."""
+    save_word_target(tmp_path / "target")
+    monkeypatch.setattr(dflash_jax, "generate_autoregressive", dense_greedy, raising=False)
+    argv = ["build-drafter-data", str(tmp_path / "target"), str(tmp_path / "data.npz"), "--tasks", "3",
+            "--max-new-tokens", "2", "--temperatures", "0,0.7"]
+    assert cli.main(argv) == 0
+    data = DrafterDataset(tmp_path / "data.npz")
+    assert len(data) == 6 and "math word problems and code requests" in data.meta["source"]

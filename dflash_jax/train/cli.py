@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
     source.add_argument("--free", type=int, metavar="N", help="N one-token prompts: the target's free generations")
     source.add_argument("--self-instruct", type=int, metavar="N",
                         help="N everyday chat requests written by the target itself (needs its tokenizer)")
+    source.add_argument("--tasks", type=int, metavar="N", help="N math word problems and code requests (templates)")
+    source.add_argument("--follow-ups", type=int, metavar="N",
+                        help="N follow-ups on the target's own answers: a second user turn, or a rewrite of the answer")
     data.add_argument("--num-prompts", type=int, default=1000, help="prompts drawn from --shakespeare")
     data.add_argument("--max-new-tokens", type=int, default=512)
     data.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
@@ -104,7 +107,8 @@ def run_build_data(args: argparse.Namespace) -> None:
     from dflash_jax.checkpoint import check_checkpoint_folder
 
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                        ("--free", args.free), ("--self-instruct", args.self_instruct)):
+                        ("--free", args.free), ("--self-instruct", args.self_instruct), ("--tasks", args.tasks),
+                        ("--follow-ups", args.follow_ups)):
         at_least(flag, value, 1)
     at_least("--top-k", args.top_k, 0)
     if not 0 < args.top_p <= 1:
@@ -132,15 +136,11 @@ def _build_data(args: argparse.Namespace, path: Path, temperatures: list[float])
     if args.free is not None:
         prompts = np.random.default_rng(args.seed).integers(0, target.cfg.vocab_size, (args.free, 1)).tolist()
         source = f"free generations from {args.free} random one-token prompts"
-    elif args.self_instruct is not None:
-        from dflash_jax.train.self_instruct import self_instruct_prompts
-
+    elif args.self_instruct is not None or args.tasks is not None or args.follow_ups is not None:
         tokenizer = ChatTokenizer(args.target)
-        messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct,
-                                         seed=args.seed)
+        messages, source = _generated_prompts(args, target, tokenizer)
         prompts = [tokenizer.encode(m) for m in messages]
         stop_token_ids = tokenizer.stop_token_ids
-        source = f"{args.self_instruct} everyday requests written by the target (train.self_instruct)"
     else:
         raw = jsonl_prompts(args.prompts) if args.prompts else shakespeare_prompts(args.shakespeare, args.num_prompts, args.seed)
         needs_text = any(not isinstance(p[0], int) for p in raw if p)
@@ -153,6 +153,24 @@ def _build_data(args: argparse.Namespace, path: Path, temperatures: list[float])
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids,
         meta={"source": source, "target": str(args.target)},
     )
+
+
+def _generated_prompts(args: argparse.Namespace, target, tokenizer) -> tuple[list, str]:
+    """(chat messages, a description) of the sources that write their prompts: templates, or the target."""
+    from dflash_jax.train import task_prompts
+
+    if args.tasks is not None:
+        return (task_prompts.task_prompts(args.tasks, args.seed),
+                f"{args.tasks} math word problems and code requests (train.task_prompts)")
+    if args.follow_ups is not None:
+        messages = task_prompts.follow_ups_from_target(
+            target, tokenizer.encode, tokenizer.decode, task_prompts.first_turns(args.follow_ups, args.seed),
+            seed=args.seed, stop_token_ids=tokenizer.stop_token_ids)
+        return messages, f"{len(messages)} follow-ups on the target's own answers (train.task_prompts)"
+    from dflash_jax.train.self_instruct import self_instruct_prompts
+
+    messages = self_instruct_prompts(target, tokenizer.encode_text, tokenizer.decode, args.self_instruct, seed=args.seed)
+    return messages, f"{args.self_instruct} everyday requests written by the target (train.self_instruct)"
 
 
 def run_train(args: argparse.Namespace) -> None:
