@@ -32,7 +32,7 @@ import dflash_jax
 from dflash_jax.demo import DEFAULT_DRAFTER, smollm2_target
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.tokenizer import ChatTokenizer
-from prompt_sets import NAMES, load_prompt_set
+from prompt_sets import NAMES, load_prompt_set, tau_per_category
 
 
 def main(argv=None):
@@ -114,7 +114,7 @@ def main(argv=None):
     for setting, runs in rounds.items():
         dtype, temperature, block, draft_sampling = setting
         lengths = first[setting][1]
-        tau = {n: _mean([a for a, c in zip(lengths, categories) if c == n]) for n in names}
+        tau = tau_per_category(lengths, categories)
         speed = statistics.median(runs) if runs else float("nan")
         ar = statistics.median(rounds.get((dtype, temperature, None, None)) or [float("nan")])
         rows.append(dict(dtype=dtype, temperature=temperature, block_size=block, draft_sampling=draft_sampling,

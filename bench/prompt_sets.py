@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 DIVERSE = Path(__file__).parent / "prompts" / "diverse.jsonl"
 NAMES = ("demo", "held-out", "diverse")
 
@@ -30,6 +32,15 @@ def load_prompt_set(name: str, *, shakespeare: Path | None = None, num_train: in
         _, messages, num_plays = prompt_split(shakespeare, num_train, num_eval)
         return messages, ["shakespeare"] * num_plays + ["everyday"] * (len(messages) - num_plays)
     return read_jsonl(DIVERSE if name == "diverse" else Path(name))
+
+
+def tau_per_category(accepted_lengths, categories: list[str]) -> dict[str, float]:
+    """Mean accepted length over every verify cycle of each category's prompts (per prompt,
+    `accepted_lengths[i]` lists its cycles; a category with no cycle counts 1, as autoregressive
+    decoding), categories in their first order."""
+    names = sorted(set(categories), key=categories.index)
+    cycles = {n: [a for per_prompt, c in zip(accepted_lengths, categories) if c == n for a in per_prompt] for n in names}
+    return {n: float(np.mean(cycles[n])) if cycles[n] else 1.0 for n in names}
 
 
 def read_jsonl(path: Path) -> tuple[list[list[dict[str, str]]], list[str]]:

@@ -280,15 +280,14 @@ def _follow_ups(target, tokenizer, eval_messages, args, data_dir):
 
 def _diverse_acceptance(target, drafter, tokenizer, args) -> dict:
     """Greedy tau on bench/prompts/diverse.jsonl, in all and per category, at --block-size."""
-    from prompt_sets import load_prompt_set
+    from prompt_sets import load_prompt_set, tau_per_category
 
     messages, categories = load_prompt_set("diverse")
     res = dflash_jax.generate(target, drafter, [tokenizer.encode(m) for m in messages],
                               max_new_tokens=args.eval_new_tokens, block_size=args.block_size,
                               stop_token_ids=tokenizer.stop_token_ids)
-    by_category = {c: [res.accepted_lengths[i] for i, ci in enumerate(categories) if ci == c] for c in dict.fromkeys(categories)}
-    return {"all": round(res.mean_accepted_length, 3),
-            **{c: round(float(np.mean(np.concatenate(rows))), 3) for c, rows in by_category.items()}}
+    by_category = tau_per_category(res.accepted_lengths, categories)
+    return {"all": round(res.mean_accepted_length, 3), **{c: round(tau, 3) for c, tau in by_category.items()}}
 
 
 def _speed(target, drafter, prompts, stops, args) -> dict:

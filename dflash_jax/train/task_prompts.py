@@ -160,21 +160,21 @@ def follow_ups_from_target(
     target,
     encode: Callable[[Messages], list[int]],
     decode: Callable[[list[int]], str],
-    first_turns: Sequence[Messages],
+    turns: Sequence[Messages],
     *,
     seed: int = 0,
     max_new_tokens: int = 160,
     batch_size: int = 256,
     stop_token_ids: Sequence[int] | None = None,
 ) -> list[Messages]:
-    """`follow_up_prompts` on the target's own greedy answers to `first_turns` (chat
+    """`follow_up_prompts` on the target's own greedy answers to `turns` (first turns: chat
     messages, encoded with the target's template by `encode`)."""
     from dflash_jax import generate_autoregressive  # looked up per call: tests stand a fake in
 
     answers: list[str] = []
-    for start in range(0, len(first_turns), batch_size):
-        batch = first_turns[start : start + batch_size]
+    for start in range(0, len(turns), batch_size):
+        batch = turns[start : start + batch_size]
         result = generate_autoregressive(target, [encode(m) for m in batch], max_new_tokens=max_new_tokens,
                                          stop_token_ids=stop_token_ids)
         answers += [decode(list(ids)) for ids in result.token_ids]
-    return follow_up_prompts(list(zip(first_turns, answers)), seed)
+    return follow_up_prompts(list(zip(turns, answers)), seed)
