@@ -106,7 +106,7 @@ def math_prompts(count: int, seed: int) -> list[Messages]:
             prompts.append([{"role": "user", "content": text}])
             if len(prompts) == count:
                 return prompts
-    raise ValueError(f"asked for {count} math prompts; the templates gave {len(prompts)} distinct ones.")
+    raise ValueError(f"asked for {count} math prompts; the templates gave {len(prompts)} distinct ones: ask for fewer.")
 
 
 def code_requests() -> list[str]:
@@ -118,7 +118,7 @@ def code_prompts(count: int, seed: int) -> list[Messages]:
     """`count` distinct code requests (template x language x task), in a random order."""
     requests = code_requests()
     if count > len(requests):
-        raise ValueError(f"asked for {count} code prompts; there are {len(requests)} distinct ones.")
+        raise ValueError(f"asked for {count} code prompts; there are {len(requests)} distinct ones: ask for at most that many.")
     picks = np.random.default_rng(seed).choice(len(requests), size=count, replace=False)
     return [[{"role": "user", "content": requests[i]}] for i in picks]
 
