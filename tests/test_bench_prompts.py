@@ -1,5 +1,5 @@
-"""The diverse held-out prompt set and `bench/batch1_speed.py` on tiny models, so the H200
-sweep cannot rot between device sessions."""
+"""The diverse held-out prompt set, `bench/batch1_speed.py` and `bench/oracle_acceptance.py`
+on tiny models, so the H200 sweeps cannot rot between device sessions."""
 
 import json
 import pathlib
@@ -7,6 +7,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import batch1_speed  # noqa: E402
+import oracle_acceptance  # noqa: E402
 import prompt_sets  # noqa: E402
 
 from dflash_jax.demo import QUESTIONS  # noqa: E402
@@ -58,3 +59,21 @@ def test_sweep_reports_speed_and_tau_per_category(models_dir, tmp_path):  # noqa
                                 "--out", str(out)])
     (tau_only,) = json.loads(out.read_text())["results"]
     assert tau_only["tau_per_category"] == rows[3]["tau_per_category"]  # batched or not, the same tokens
+
+
+def test_oracle_cycles_run_while_tokens_are_argmaxes():
+    assert oracle_acceptance.oracle_cycles([True] * 10, 4) == [4, 4, 2]  # 3 drafts + the bonus; the end cuts
+    # A miss ends its cycle (the residual's draw); a full run ends on the bonus whatever it is.
+    assert oracle_acceptance.oracle_cycles([False, True, True, True, False, False], 4) == [1, 4, 1]
+    assert oracle_acceptance.oracle_cycles([], 4) == []
+
+
+def test_oracle_reads_greedy_answers_as_all_argmax(models_dir, tmp_path):  # noqa: F811
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "a", "messages": [{"role": "user", "content": "hello there"}]}))
+    out = tmp_path / "oracle.json"
+    oracle_acceptance.main(["--target-dir", str(models_dir / "target"), "--prompts", str(prompts), "--temperatures",
+                            "0,0.8", "--block-size", "3", "--max-new-tokens", "8", "--out", str(out)])
+    greedy, sampled = json.loads(out.read_text())["results"]
+    assert greedy["argmax_share"] == 1.0  # the dense forward's argmax is the decoder's, token for token
+    assert 1.0 <= sampled["oracle_tau"] <= greedy["oracle_tau"] <= 3.0
