@@ -70,6 +70,8 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, help="JSON results")
     args = parser.parse_args(argv)
+    if args.block_size < 2:
+        parser.error(f"--block-size must be at least 2 (the known token and one draft), got {args.block_size}")
     target_dir, tokenizer, prompts, categories = encoded_prompts(args, parser)
     target = dflash_jax.load_target(target_dir, dtype=args.dtype)
     names = sorted(set(categories), key=categories.index)
