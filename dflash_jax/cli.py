@@ -15,12 +15,11 @@ import signal
 import sys
 from pathlib import Path
 
-from convert import cli as convert_cli
-from convert.staging import Terminated, terminate_raises
-from dflash_jax import cli_generate, demo
+from dflash_jax import cli_convert, cli_generate, demo
 from dflash_jax.cli_errors import from_checkpoint_reader, first_line, silence_stderr, user_error_message
 from dflash_jax.compile_cache import DEFAULT_CACHE_DIR, enable_compile_cache
 from dflash_jax.serve import cli as serve_cli
+from dflash_jax.staging import Terminated, terminate_raises
 from dflash_jax.train import cli as train_cli
 
 EXIT_USER_ERROR = 2
@@ -34,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of any failure (also: DFLASH_JAX_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    convert_cli.add_parser(subparsers)
+    cli_convert.add_parser(subparsers)
     train_cli.add_parser(subparsers)
     cli_generate.add_parser(subparsers)
     demo.add_parser(subparsers)

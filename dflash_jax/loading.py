@@ -1,8 +1,6 @@
 """`load_target` / `load_drafter`: a model from wherever it is stored. A converted (orbax)
 folder is read by `checkpoint`; a HF folder or a .gguf file is converted on the fly in memory
-by `convert`, without writing anything. `convert` is imported when first needed: it builds on
-the library's configs and models, so importing it while `dflash_jax` itself is being
-imported would run its modules half-initialised."""
+by `formats.hf_to_nnx`, without writing anything."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ from jax.sharding import Mesh
 
 from dflash_jax.checkpoint import is_orbax_checkpoint, load_checkpoint
 from dflash_jax.config import ConfigError
+from dflash_jax.formats.hf_to_nnx import model_from_hf
 from dflash_jax.models import Drafter, Target
 
 
@@ -25,8 +24,6 @@ def load_model(path: str | Path, dtype=None, mesh: Mesh | None = None) -> Target
         raise FileNotFoundError(f"{path} is neither a folder nor a .gguf file; give a converted or a HF model folder.")
     if is_orbax_checkpoint(path):
         return load_checkpoint(path, dtype, mesh)
-    from convert.hf_to_nnx import model_from_hf
-
     return model_from_hf(path, dtype, mesh=mesh)[1]
 
 

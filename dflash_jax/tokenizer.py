@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -82,8 +84,6 @@ def load_tokenizer(model_path: str | Path) -> ChatTokenizer | None:
 def _tokenizer_files(model_path: Path) -> dict[str, str]:
     """File name -> text of the tokenizer files in a model folder, or rebuilt from a .gguf file."""
     if model_path.suffix.lower() == ".gguf" and model_path.is_file():
-        from convert.gguf_tokenizer import gguf_tokenizer_files
-
         return gguf_tokenizer_files(model_path)
     return {name: (model_path / name).read_text() for name in TOKENIZER_FILES if (model_path / name).is_file()}
 

@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dflash_jax", "pallas_kernels", "convert")
+# The import direction, top to bottom: a package may import only the packages below it.
+LAYERS = ("bench", "convert", "dflash_jax", "pallas_kernels")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -26,22 +28,27 @@ def modules() -> dict[str, ast.Module]:
     return found
 
 
+def imported_names(tree: ast.Module) -> set[str]:
+    """Every dotted name a module's absolute imports name, anywhere in its file
+    (`from package import name` gives both `package` and `package.name`)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.update([f"{node.module}.{alias.name}" for alias in node.names] + [node.module])
+    return out
+
+
 def imports_of(name: str, tree: ast.Module, known) -> set[str]:
     """The project modules `name` imports, anywhere in its file (`from package import module`
     counts as the module when it is one)."""
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
-        else:
-            continue
-        for target in targets:
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                out.add(target)
+    for target in imported_names(tree):
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
     return out
 
 
@@ -79,7 +86,25 @@ def test_kernels_import_no_library_code():
 
 
 def test_checkpoint_is_orbax_only():
-    assert not any(t.startswith("convert") for t in import_graph()["dflash_jax.checkpoint"])
+    assert not any(t.startswith(("convert", "dflash_jax.formats")) for t in import_graph()["dflash_jax.checkpoint"])
+
+
+def test_library_never_imports_convert():
+    """What the library reads and writes of HF folders and GGUF files lives in it
+    (`dflash_jax.formats`, `dflash_jax.staging`); `convert` builds on the library, never under it."""
+    for module, targets in import_graph().items():
+        if module.startswith("dflash_jax"):
+            upward = sorted(t for t in targets if t.partition(".")[0] == "convert")
+            assert not upward, f"{module} imports {upward}: move what it needs into the library"
+
+
+def test_imports_run_one_way():
+    """bench -> convert -> dflash_jax -> pallas_kernels: no package imports one above it
+    (bench is not parsed: it sits at the top, so nothing it imports can point upward)."""
+    for name, tree in modules().items():
+        above = LAYERS[: LAYERS.index(name.partition(".")[0])]
+        upward = sorted(t for t in imported_names(tree) if t.partition(".")[0] in above)
+        assert not upward, f"{name} imports {upward}: imports run {' -> '.join(LAYERS)}"
 
 
 def test_library_reads_no_environment():
@@ -111,8 +136,8 @@ def test_modules_stay_small():
             assert lines <= 520, f"{path.relative_to(ROOT)} has {lines} lines; split it by concern"
 
 
-@pytest.mark.parametrize("module", ["convert", "convert.hf_to_nnx", "convert.weight_map", "dflash_jax",
-                                    "dflash_jax.config", "dflash_jax.cli", "pallas_kernels"])
+@pytest.mark.parametrize("module", ["convert", "dflash_jax.formats.hf_to_nnx", "dflash_jax.formats.weight_map",
+                                    "dflash_jax", "dflash_jax.config", "dflash_jax.cli", "pallas_kernels"])
 def test_each_package_imports_first(module):
     """Imported first in a fresh interpreter, no package runs another's modules half-built
     (the module graph can be acyclic while package __init__ files still chain into a loop)."""

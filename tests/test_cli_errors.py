@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert.hf_to_nnx
-import convert.staging
 from conftest import make_hf_target, save_hf
-from convert.hf_to_nnx import convert_checkpoint
-from dflash_jax import cli
+from dflash_jax import cli, cli_convert, staging
+from dflash_jax.formats import hf_to_nnx
+from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # orbax's reads of a corrupt checkpoint end on their own threads after the error ("Event loop
@@ -129,7 +128,7 @@ def test_bad_input_gives_one_line(models, tmp_path, capsys, monkeypatch, case):
     build, message, code = CASES[case]
     argv = [str(a) for a in build(models, tmp_path)]
     if case in UP_FRONT:
-        monkeypatch.setattr(convert.hf_to_nnx, "model_from_hf", lambda *a, **k: pytest.fail("converted first"))
+        monkeypatch.setattr(hf_to_nnx, "model_from_hf", lambda *a, **k: pytest.fail("converted first"))
         import dflash_jax.loading
 
         monkeypatch.setattr(dflash_jax.loading, "load_target", lambda *a, **k: pytest.fail("loaded first"))
@@ -155,14 +154,14 @@ def test_a_folder_that_appears_during_conversion_is_kept(models, tmp_path, monke
     """Another run (or a user) creates OUT while this conversion runs: it is left alone, and
     this conversion fails clearly instead of replacing it."""
     out = tmp_path / "out"
-    real = convert.hf_to_nnx.save_checkpoint
+    real = hf_to_nnx.save_checkpoint
 
     def meanwhile(*args, **kwargs):
         real(*args, **kwargs)
         out.mkdir()
         (out / "theirs.txt").write_text("theirs")
 
-    monkeypatch.setattr(convert.hf_to_nnx, "save_checkpoint", meanwhile)
+    monkeypatch.setattr(hf_to_nnx, "save_checkpoint", meanwhile)
     capsys.readouterr()
     assert cli.main(["convert", str(models / "hf"), str(out)]) == 2
     assert "appeared while this conversion was being written" in capsys.readouterr().err
@@ -173,8 +172,8 @@ def test_a_folder_that_appears_during_conversion_is_kept(models, tmp_path, monke
 def test_an_empty_folder_that_appears_is_not_replaced_either(models, tmp_path, monkeypatch):
     """os.rename would silently replace an empty folder; the rename into place must not."""
     out = tmp_path / "out"
-    real = convert.hf_to_nnx.save_checkpoint
-    monkeypatch.setattr(convert.hf_to_nnx, "save_checkpoint", lambda *a, **k: (real(*a, **k), out.mkdir()))
+    real = hf_to_nnx.save_checkpoint
+    monkeypatch.setattr(hf_to_nnx, "save_checkpoint", lambda *a, **k: (real(*a, **k), out.mkdir()))
     assert cli.main(["convert", str(models / "hf"), str(out)]) == 2
     assert out.is_dir() and os.listdir(out) == []
 
@@ -184,14 +183,14 @@ def test_forced_replacement_swaps_and_restores_on_failure(models, tmp_path, monk
     shutil.copytree(models / "orbax", out)
     (out / "old.txt").write_text("old")
 
-    real_rename = convert.staging.rename_noreplace
+    real_rename = staging.rename_noreplace
 
     def fail(src, dst):  # moving the new output in fails; putting the old one back works
         if Path(src).name == "new":
             raise OSError(28, "No space left on device", str(dst))
         real_rename(src, dst)
 
-    monkeypatch.setattr(convert.staging, "rename_noreplace", fail)
+    monkeypatch.setattr(staging, "rename_noreplace", fail)
     assert cli.main(["convert", str(models / "hf"), str(out), "--force"]) == 2
     assert (out / "old.txt").read_text() == "old"  # the old output is back in place, whole
     monkeypatch.undo()
@@ -207,7 +206,7 @@ def dead_pid() -> int:
 
 
 def test_stale_staging_of_a_dead_process_is_removed(models, tmp_path):
-    host = convert.staging._HOST
+    host = staging._HOST
     stale = tmp_path / f".out.staging.{host}.{dead_pid()}.abc"
     (stale / "new").mkdir(parents=True)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -222,12 +221,10 @@ def test_stale_staging_of_a_dead_process_is_removed(models, tmp_path):
 
 
 def test_unexpected_failure_is_one_line_marked_as_a_bug(monkeypatch, capsys, tmp_path):
-    import convert.cli
-
     def bug(args):
         raise TypeError("unsupported operand")
 
-    monkeypatch.setattr(convert.cli, "run", bug)
+    monkeypatch.setattr(cli_convert, "run", bug)
     assert cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "this is a bug" in err[0] and "--debug" in err[0]
@@ -236,12 +233,10 @@ def test_unexpected_failure_is_one_line_marked_as_a_bug(monkeypatch, capsys, tmp
 
 
 def test_keyboard_interrupt_in_process_exits_130(monkeypatch, capsys, tmp_path):
-    import convert.cli
-
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert.cli, "run", interrupted)
+    monkeypatch.setattr(cli_convert, "run", interrupted)
     assert cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["dflash-jax convert: interrupted; nothing half-written was left behind."]
 
@@ -251,7 +246,7 @@ def test_keyboard_interrupt_in_process_exits_130(monkeypatch, capsys, tmp_path):
 SLOW_CONVERT = """
 import pathlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: a background job inherits it ignored
-import convert.hf_to_nnx as h
+import dflash_jax.formats.hf_to_nnx as h
 real = h.save_checkpoint
 def slow(*args, **kwargs):
     real(*args, **kwargs)

@@ -8,8 +8,8 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 import dflash_jax
 from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
-from convert.hf_to_nnx import convert_checkpoint
 from dflash_jax import cli, demo
+from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.tokenizer import ChatTokenizer
 from test_gguf import write_llama_gguf
 
@@ -194,7 +194,6 @@ def fake_smollm2_conversion(monkeypatch, calls: list, seconds: float = 0.0):
     conversion writes only the format file, in the current format."""
     import time
 
-    import convert.hf_to_nnx
     from dflash_jax.checkpoint import FORMAT_FILE, FORMAT_VERSION
 
     def fake_gguf(cache_dir):
@@ -208,7 +207,7 @@ def fake_smollm2_conversion(monkeypatch, calls: list, seconds: float = 0.0):
         (out_dir / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION}))
 
     monkeypatch.setattr(demo, "smollm2_gguf", fake_gguf)
-    monkeypatch.setattr(convert.hf_to_nnx, "convert_checkpoint", fake_convert)
+    monkeypatch.setattr(demo, "convert_checkpoint", fake_convert)
 
 
 def test_cold_cache_converts_once_for_concurrent_callers(tmp_path, monkeypatch):

@@ -190,8 +190,8 @@ ROPE_SCALING = {
 
 @pytest.mark.parametrize("case", list(ROPE_SCALING))
 def test_rope_scaling_from_metadata_survives_config_json(case):
-    from convert.gguf_reader import target_config_from_gguf
     from dflash_jax.config import parse_config, to_hf_config
+    from dflash_jax.formats.gguf_reader import target_config_from_gguf
 
     extra, rope_type, scaling = ROPE_SCALING[case]
     cfg = target_config_from_gguf({**METADATA, **extra}, {"token_embd.weight"}, "x.gguf")
@@ -200,8 +200,8 @@ def test_rope_scaling_from_metadata_survives_config_json(case):
 
 
 def test_per_frequency_rope_factors_are_refused():
-    from convert.checkpoint_reader import ConversionError
-    from convert.gguf_reader import target_config_from_gguf
+    from dflash_jax.formats.gguf_reader import target_config_from_gguf
+    from dflash_jax.formats.hf_reader import ConversionError
 
     with pytest.raises(ConversionError, match="rope_freqs.weight"):
         target_config_from_gguf(METADATA, {"token_embd.weight", "rope_freqs.weight"}, "x.gguf")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.compile_cache import add_cache_arguments
+from dflash_jax.staging import StagedOutput, make_folder
 
 DTYPES = ("bfloat16", "float32")
 
@@ -103,7 +104,6 @@ def parse_temperatures(text: str) -> list[float]:
 
 
 def run_build_data(args: argparse.Namespace) -> None:
-    from convert.staging import StagedOutput
     from dflash_jax.checkpoint import check_checkpoint_folder
 
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -174,7 +174,7 @@ def _generated_prompts(args: argparse.Namespace, target, tokenizer) -> tuple[lis
 
 
 def run_train(args: argparse.Namespace) -> None:
-    from convert.export_hf import export_hf
+    from dflash_jax.formats.export_hf import export_hf
     from dflash_jax.loading import load_drafter, load_target
     from dflash_jax.cli_errors import quiet_checkpoint_reads
     from dflash_jax.config import parse_drafter_config, to_hf_config
@@ -266,8 +266,6 @@ def check_writable_folder(folder: Path) -> None:
     """Make `folder` and write a probe file in it: an output location that cannot be written
     is refused before the target is loaded or a step is run (OSError, named by the CLI)."""
     import tempfile
-
-    from convert.staging import make_folder
 
     make_folder(folder)
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test."):

@@ -3,7 +3,7 @@
 Every tensor is checked before it is placed: a missing or unexpected name, or a shape that
 differs from the model the config describes, stops the conversion with the tensor's name.
 The orbax folder is written in a staging folder beside OUT_DIR and renamed in at the end
-(`convert.staging`), so a failure, Ctrl-C or SIGTERM leaves nothing behind, a folder that
+(`dflash_jax.staging`), so a failure, Ctrl-C or SIGTERM leaves nothing behind, a folder that
 appears at OUT_DIR meanwhile is never replaced, and an existing OUT_DIR is replaced only when
 asked, by a swap that never shows a half-deleted folder.
 """
@@ -21,15 +21,15 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from convert.checkpoint_reader import ConversionError, open_checkpoint
-from convert.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
-from convert.gguf_tokenizer import gguf_tokenizer_files
-from convert.staging import StagedOutput, refuse_overlap, terminate_raises
-from convert.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.checkpoint import save_checkpoint
+from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
+from dflash_jax.formats.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
+from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
+from dflash_jax.formats.hf_reader import ConversionError, open_checkpoint
+from dflash_jax.formats.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.models import abstract_model, model_from_params
 from dflash_jax.placement import place_model
-from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_config_json
+from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
 SIDE_FILES = (

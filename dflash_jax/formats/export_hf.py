@@ -12,10 +12,10 @@ from pathlib import Path
 from flax import nnx
 from safetensors.flax import save_file
 
-from convert.staging import StagedOutput, terminate_raises
-from convert.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.config import DrafterConfig, to_hf_config
+from dflash_jax.formats.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.models import Drafter, Target
+from dflash_jax.staging import StagedOutput, terminate_raises
 
 
 def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_shard_bytes: int | None = None,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.checkpoint_reader import ConversionError, TensorSource
-from convert.weight_map import WeightRule, target_rules
 from dflash_jax.config import RopeConfig, TargetConfig, to_hf_config
+from dflash_jax.formats.hf_reader import ConversionError, TensorSource
+from dflash_jax.formats.weight_map import WeightRule, target_rules
 
 # llama.cpp tensor names -> HF names: whole-model tensors, then per-block ones (`blk.N.`).
 MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

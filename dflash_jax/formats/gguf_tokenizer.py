@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from convert.checkpoint_reader import ConversionError
-from convert.gguf_reader import gguf_metadata, open_gguf_reader
+from dflash_jax.formats.gguf_reader import gguf_metadata, open_gguf_reader
+from dflash_jax.formats.hf_reader import ConversionError
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied in order, each isolating matches.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"

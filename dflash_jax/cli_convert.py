@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convert.hf_to_nnx import convert_checkpoint
+from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 
 DTYPES = ("bfloat16", "float16", "float32")
 
