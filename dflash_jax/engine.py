@@ -179,6 +179,10 @@ class Engine:
         self._next_id = 0
         self._async_scheduling = async_scheduling
         self._launched: _Launched | None = None  # the step in flight (asynchronous scheduling)
+        # Host seconds the last step that launched a batch spent launching it (choosing its
+        # program, filling its inputs, dispatching): for benchmarks that split a step into
+        # host and device time.
+        self.last_launch_s: float | None = None
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -298,12 +302,14 @@ class Engine:
 
     def _launch(self, work: list[Work]) -> _Launched:
         """Run the step program on `work` (asynchronously: nothing is read back here)."""
+        started = time.perf_counter()
         program = self._program_for(work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         ints, floats = jax.device_put((inputs.ints, inputs.floats), self._whole)
         self._state, committed_RP = self._executable(program)(self._param_leaves(), self._state, ints, floats)
         self.scheduler.launched(work)
+        self.last_launch_s = time.perf_counter() - started
         return _Launched(work, committed_RP)
 
     def _program_for(self, work: list[Work]) -> Program:

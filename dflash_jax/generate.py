@@ -268,6 +268,16 @@ class _Loop:
         )
 
 
+# Traces of the generate program, as the Engine counts its step's.
+_traces = [0]
+
+
+def num_traces() -> int:
+    """How many generate programs have been traced (compiled) in this process: benchmarks
+    check that their timed runs add none."""
+    return _traces[0]
+
+
 @functools.partial(jax.jit, static_argnames=("capacity", "page_size", "cfg", "treedefs"))
 def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: SamplingRows, stop_ids_RX, *,
              capacity: int, page_size: int, cfg: CycleConfig, treedefs):
@@ -275,6 +285,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     over every request's verify rows until all are done. The models arrive as flat lists of
     their arrays (`flat_models`): a call reads their current parameters without walking their
     graphs."""
+    _traces[0] += 1
     models = unflatten_models(treedefs, leaves)
     num_reqs = prefill.page_table.shape[0]
     num_pages = 1 + prefill.page_table.size

@@ -109,16 +109,17 @@ def _per_row(param, logits) -> jax.Array:
 
 # When every truncating row has 0 < top_k <= this, top-k/top-p rank only the top TOP_K_FAST
 # candidates. XLA's GPU TopK kernel covers k <= 16; a larger k falls back to a full sort, several
-# times slower (bench/NOTES.md), so other rows take `_threshold_truncation_mask` instead,
+# times slower (bench/NOTES.md), so other rows take `threshold_truncation_mask` instead,
 # which needs no ranking at all.
 TOP_K_FAST = 16
 
 
-def _truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax.Array:
+def truncation_mask(scores, probs, top_k, top_p, use_p, candidates: int) -> jax.Array:
     """Tokens kept by top-k (rank < top_k) then top-p (mass before the token < top_p).
 
     Only the `candidates` best tokens can be kept: the caller passes TOP_K_FAST when no
-    truncating row keeps more. lax.top_k ranks ties lowest index first.
+    truncating row keeps more. lax.top_k ranks ties lowest index first. Public for the
+    benchmark that times this sort against `threshold_truncation_mask` (bench.kernels.sampling).
     """
     _, order = lax.top_k(_signless_zeros(scores), candidates)
     rank = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
@@ -148,17 +149,16 @@ def threshold_digit_bits(rows: int) -> int:
     Each pass counts 2**bits - 1 candidate thresholds in one sweep of the vocabulary, so a
     32-bit key takes 32 / bits passes: fewer passes, more counting per pass. Few rows leave
     the GPU idle between passes, so they take wide digits; many rows make counting the cost,
-    so they take narrow ones (`bench/bench_sampling.py` chose the split).
+    so they take narrow ones (`python -m bench.kernels.sampling` chose the split).
     """
     return 4 if rows <= 16 else 2
 
 
-def _largest_key(predicate, shape) -> jax.Array:
+def _largest_key(predicate, shape, bits: int) -> jax.Array:
     """Per row, the largest uint32 t with predicate(t) true, for a predicate true at 0 and
     false above some point. predicate maps candidate thresholds [*shape, C] to bools of that
-    shape. Digits are set from the top: the next digit is the number of its nonzero values
-    whose candidate keeps the predicate true."""
-    bits = threshold_digit_bits(math.prod(shape))
+    shape. Digits of `bits` bits are set from the top: the next digit is the number of its
+    nonzero values whose candidate keeps the predicate true."""
     digits = jnp.arange(1, 2**bits, dtype=jnp.uint32)
 
     def set_digit(i, t):
@@ -172,10 +172,11 @@ def _largest_key(predicate, shape) -> jax.Array:
     return lax.fori_loop(0, 32 // bits, set_digit, jnp.zeros(shape, jnp.uint32))
 
 
-def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
-    """The same tokens as `_truncation_mask(..., vocab)`, found by thresholds instead of a
+def threshold_truncation_mask(scores, probs, top_k, top_p, use_p, digit_bits: int | None = None) -> jax.Array:
+    """The same tokens as `truncation_mask(..., vocab)`, found by thresholds instead of a
     sort of the vocabulary: two digit-by-digit searches on the scores' bits (`_largest_key`),
-    16 masked sweeps of the vocabulary in all.
+    each settling `digit_bits` per pass (default `threshold_digit_bits` of the row count;
+    the benchmark bench.kernels.sampling times other widths through it).
 
     Top-k: the k-th largest score key, then ties at it by lowest index. Top-p: the smallest
     key v whose strictly-larger kept tokens hold mass < top_p; tokens above v are kept, and
@@ -183,8 +184,9 @@ def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
     """
     keys = _order_keys(scores)
     row_shape = scores.shape[:-1]
+    bits = digit_bits or threshold_digit_bits(math.prod(row_shape))
     kth = _largest_key(lambda t: jnp.sum(keys[..., None, :] >= t[..., None], axis=-1) >= top_k[..., None],
-                       row_shape)[..., None]
+                       row_shape, bits)[..., None]
     tied = keys == kth
     room = top_k - jnp.sum(keys > kth, axis=-1)
     in_k = (keys > kth) | (tied & (_exclusive_cumsum(tied.astype(jnp.int32)) < room[..., None]))
@@ -193,7 +195,7 @@ def _threshold_truncation_mask(scores, probs, top_k, top_p, use_p) -> jax.Array:
     mass = mass / mass.sum(-1, keepdims=True)
     below = _largest_key(
         lambda t: jnp.sum(jnp.where(keys[..., None, :] > t[..., None], mass[..., None, :], 0.0), axis=-1)
-        >= top_p[..., None], row_shape)
+        >= top_p[..., None], row_shape, bits)
     last = jnp.min(jnp.where(in_k & (keys > below[..., None]), keys, jnp.uint32(0xFFFFFFFF)), axis=-1)[..., None]
     at_last = in_k & (keys == last)
     mass_above = jnp.sum(jnp.where(keys > last, mass, 0.0), axis=-1, keepdims=True)
@@ -239,12 +241,12 @@ def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     use_p = (top_p < 1) & ~greedy
     truncate = use_k | use_p
     top_k = jnp.where(use_k, top_k, vocab)
-    mask = functools.partial(_truncation_mask, scores, probs, top_k, top_p, use_p)
+    mask = functools.partial(truncation_mask, scores, probs, top_k, top_p, use_p)
     fast = min(TOP_K_FAST, vocab)
     keep = lax.cond(
         jnp.any(truncate),
         lambda: lax.cond(jnp.all(~truncate | (top_k <= fast)), lambda: mask(fast),
-                         lambda: _threshold_truncation_mask(scores, probs, top_k, top_p, use_p)),
+                         lambda: threshold_truncation_mask(scores, probs, top_k, top_p, use_p)),
         lambda: jnp.ones(logits.shape, bool),
     )
     kept = jnp.where(keep, probs, 0.0)

@@ -134,6 +134,18 @@ def test_sampled_request_is_the_same_alone_or_in_a_batch(models, draft_sampling)
     assert static.token_ids[0] == alone.output(only)
 
 
+def test_each_launching_step_records_its_launch_time(models):
+    """The benchmarks' door: `last_launch_s`, the host time of the last step's launch."""
+    target, _, _ = models
+    engine = Engine(target, None, max_num_reqs=2, max_num_tokens=32, async_scheduling=False)
+    assert engine.last_launch_s is None
+    engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2))
+    engine.step()
+    first = engine.last_launch_s
+    engine.step()
+    assert 0 < first and 0 < engine.last_launch_s != first
+
+
 def test_no_compilation_after_precompile(models):
     target, drafters, _ = models
     engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)

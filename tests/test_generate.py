@@ -221,6 +221,19 @@ def test_drafter_for_another_target_is_refused(pair, tmp_path):
         generate(other, drafter, [[1, 2]], max_new_tokens=4)
 
 
+def test_num_traces_counts_each_new_program_once(pair):
+    """The benchmarks' door: a call of new shapes traces one program, the same call again none."""
+    from dflash_jax.generate import num_traces
+
+    _, _, target, _ = pair
+    prompts = [list(range(30, 63))]  # a prompt length no other test compiles for
+    before = num_traces()
+    generate_autoregressive(target, prompts, max_new_tokens=3)
+    traced = num_traces()
+    generate_autoregressive(target, prompts, max_new_tokens=3)
+    assert traced == before + 1 and num_traces() == traced
+
+
 @pytest.mark.parametrize("speculative", [True, False])
 def test_compile_only_compiles_what_the_next_call_runs(pair, caplog, speculative):
     """A compile-only call decodes nothing and compiles the program; the same call then runs

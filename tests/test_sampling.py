@@ -88,6 +88,22 @@ def test_threshold_path_breaks_ties_like_a_stable_sort():
         np.testing.assert_allclose(ours, ref[:r], atol=2e-6)
 
 
+def test_threshold_mask_keeps_the_sorts_tokens_at_every_digit_width():
+    """The benchmark's door: `threshold_truncation_mask` at any bits per pass keeps exactly the
+    tokens of the full sort `truncation_mask(..., vocab)`."""
+    rng = np.random.default_rng(4)
+    rows, vocab = 6, 50
+    scores = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+    probs = jax.nn.softmax(scores, -1)
+    top_k = jnp.asarray([1, 5, 17, 50, 30, 2], jnp.int32)
+    top_p = jnp.asarray([1.0, 0.9, 0.5, 0.3, 1.0, 0.99], jnp.float32)
+    use_p = top_p < 1
+    want = np.asarray(sampling.truncation_mask(scores, probs, top_k, top_p, use_p, vocab))
+    for bits in (1, 2, 4, 8):
+        got = sampling.threshold_truncation_mask(scores, probs, top_k, top_p, use_p, digit_bits=bits)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_processed_probs_matches_zlab():
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
