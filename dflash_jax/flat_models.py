@@ -2,7 +2,7 @@
 
 An NNX module passed to `jax.jit` as a pytree is flattened in Python at every call, a fixed
 cost of every batch-1 `generate` call that grows with the model's Variables (measured in
-bench/generate_overhead.py). Here a model's
+`python -m bench.decode.generate_overhead`). Here a model's
 structure (its treedef and Variable objects) is read once per model object, and each call
 reads only the Variables' current values: updates in place (`variable[...] = ...`,
 `nnx.update`) are seen. Replacing a Variable or a submodule of a model that has already been

@@ -44,7 +44,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
     On a CPU backend a bfloat16 product asks XLA for a float32 result (cast back) and runs a
     single row as two: XLA CPU's fast bfloat16 kernels need a float32 result and more than one
-    row, and its other bfloat16 paths are an order of magnitude slower (bench/cpu_products.py).
+    row, and its other bfloat16 paths are an order of magnitude slower (`python -m bench.kernels.cpu_products`).
     With both, bfloat16 decodes faster than float32 there and a few-row verify block costs
     about what one row does. Elsewhere it is `lax.dot_general`.
     """

@@ -1,6 +1,6 @@
-"""bench/bench_decode.py end to end on the tiny CPU shapes, so the H200 benchmark cannot rot
-between device sessions: every section runs and records its numbers, in both dtypes, and on a
-tensor-parallel mesh of fake devices."""
+"""`python -m bench.decode.speed` end to end on the tiny CPU shapes, so the H200 benchmark
+cannot rot between device sessions: every section runs and records its numbers, in both
+dtypes, and on a tensor-parallel mesh of fake devices."""
 
 import json
 import os
@@ -10,17 +10,21 @@ import sys
 
 import pytest
 
+from bench import shapes
+from bench.decode import speed
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-import bench_decode  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_small_run_records_every_section(tmp_path, dtype):
     out = tmp_path / "decode.json"
-    bench_decode.main(["--small", "--points", "1x128", "--dtype", dtype, "--reps", "1", "--engine-steps", "3",
-                       "--commit", "test", "--out", str(out)])
-    run = json.loads(out.read_text())
+    speed.main(["--small", "--points", "1x128", "--dtype", dtype, "--reps", "1", "--engine-steps", "3",
+                "--commit", "test", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "bench.decode.speed" and record["env"]["commit"] == "test"
+    run = record["results"]
     assert run["dtype"] == dtype and run["model"] == "small" and not run["skipped"]
     (point,) = run["points"]
     derived = point["derived"]
@@ -31,7 +35,7 @@ def test_small_run_records_every_section(tmp_path, dtype):
     assert point["engine"]["dflash"]["new_traces_in_timed_steps"] == 0
     assert all(point["steps"][key] is not None for key in point["steps"])
     itemsize = {"bfloat16": 2, "float32": 4}[dtype]
-    cfg = bench_decode.TARGET_SMALL  # the K/V bytes follow the dtype
+    cfg = shapes.SMALL  # the K/V bytes follow the dtype
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * itemsize
     mean_context = 128 + 0.75 * run["settings"]["n_tokens"]
     assert point["ar_bytes"] == pytest.approx(run["target_stream_bytes"] + mean_context * kv_per_token)
@@ -40,24 +44,26 @@ def test_small_run_records_every_section(tmp_path, dtype):
 
 def test_torch_anchors_refuse_float32(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        bench_decode.main(["--small", "--torch-anchors", "--dtype", "float32", "--out", str(tmp_path / "x.json")])
+        speed.main(["--small", "--torch-anchors", "--dtype", "float32", "--out", str(tmp_path / "x.json")])
     assert "bfloat16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tensor_parallel_run_records_its_size(tmp_path):
-    """The sections bench/tp_plan.sh runs, at --tensor-parallel 2 over 2 fake CPU devices, in
-    a fresh interpreter (the device count is fixed when jax starts)."""
+    """The sections bench/plans/tensor_parallel.sh runs, at --tensor-parallel 2 over 2 fake CPU
+    devices, in a fresh interpreter (the device count is fixed when jax starts)."""
     out = tmp_path / "decode.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}  # compile time dominates this run
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_decode.py"), "--small", "--tensor-parallel", "2",
+    done = subprocess.run([sys.executable, "-m", "bench.decode.speed", "--small", "--tensor-parallel", "2",
                            "--points", "1x128", "--sections", "generate,engine", "--reps", "1", "--engine-steps", "3",
                            "--copy-gb", "0.004", "--commit", "test", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=400)
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
-    run = json.loads(out.read_text())
-    assert run["tensor_parallel"] == 2 and run["versions"]["num_devices"] == 2 and not run["skipped"]
+    record = json.loads(out.read_text())
+    run = record["results"]
+    assert run["tensor_parallel"] == 2 and record["env"]["num_devices"] == 2 and not run["skipped"]
     derived = run["points"][0]["derived"]
     assert derived["ar_s"] is not None and derived["blocks"]["16"]["cycle_s"] is not None
     assert derived["engine_s"] > 0 and derived["engine_dflash_s"] > 0
@@ -66,5 +72,5 @@ def test_tensor_parallel_run_records_its_size(tmp_path):
 
 def test_one_device_measures_refuse_tensor_parallel(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        bench_decode.main(["--small", "--profile", "--tensor-parallel", "2", "--out", str(tmp_path / "x.json")])
+        speed.main(["--small", "--profile", "--tensor-parallel", "2", "--out", str(tmp_path / "x.json")])
     assert "--tensor-parallel" in capsys.readouterr().err

@@ -1,20 +1,18 @@
-"""The diverse held-out prompt set, `bench/batch1_speed.py` and `bench/oracle_acceptance.py`
+"""The diverse held-out prompt set, `bench.decode.batch1_speed` and `bench.acceptance.oracle`
 on tiny models, so the H200 sweeps cannot rot between device sessions."""
 
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import batch1_speed  # noqa: E402
-import oracle_acceptance  # noqa: E402
-import prompt_sets  # noqa: E402
+import pytest
 
-from dflash_jax.demo import QUESTIONS  # noqa: E402
-from dflash_jax.tokenizer import ChatTokenizer  # noqa: E402
-from dflash_jax.train.prompts import INSTRUCTIONS, template_requests  # noqa: E402
-from dflash_jax.train.task_prompts import FOLLOW_UPS, REWRITES, code_prompts, math_prompts  # noqa: E402
-from test_cli_generate import models_dir  # noqa: E402, F401 (a fixture)
+from bench.acceptance import oracle as oracle_acceptance
+from bench.acceptance import prompt_sets
+from bench.decode import batch1_speed
+from dflash_jax.demo import QUESTIONS
+from dflash_jax.tokenizer import ChatTokenizer
+from dflash_jax.train.prompts import INSTRUCTIONS, template_requests
+from dflash_jax.train.task_prompts import FOLLOW_UPS, REWRITES, code_prompts, math_prompts
+from test_cli_generate import models_dir  # noqa: F401 (a fixture)
 
 CATEGORIES = ("everyday", "math", "code", "rewrite", "multi-turn")
 
@@ -36,6 +34,7 @@ def test_diverse_set_is_varied_and_unseen_in_training():
         assert (len(roles) >= 3) == (category == "multi-turn")
 
 
+@pytest.mark.slow
 def test_sweep_reports_speed_and_tau_per_category(models_dir, tmp_path):  # noqa: F811
     prompts = tmp_path / "prompts.jsonl"
     turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "how are you"},
@@ -50,14 +49,14 @@ def test_sweep_reports_speed_and_tau_per_category(models_dir, tmp_path):  # noqa
     out = tmp_path / "speed.json"
     batch1_speed.main(common + ["--temperatures", "0,0.8", "--draft-sampling", "argmax,sample", "--rounds", "1",
                                 "--out", str(out)])
-    rows = json.loads(out.read_text())["results"]
+    rows = json.loads(out.read_text())["results"]["rows"]
     settings = [(r["temperature"], r["block_size"], r["draft_sampling"]) for r in rows]
     assert settings == [(0.0, None, None), (0.0, 3, "argmax"), (0.8, None, None), (0.8, 3, "argmax"),
                         (0.8, 3, "sample")]
     assert all(r["tokens_per_s"] > 0 and set(r["tau_per_category"]) == {"a", "b"} for r in rows)
     batch1_speed.main(common + ["--temperatures", "0.8", "--draft-sampling", "argmax", "--acceptance-only",
                                 "--out", str(out)])
-    (tau_only,) = json.loads(out.read_text())["results"]
+    (tau_only,) = json.loads(out.read_text())["results"]["rows"]
     assert tau_only["tau_per_category"] == rows[3]["tau_per_category"]  # batched or not, the same tokens
 
 
@@ -68,12 +67,13 @@ def test_oracle_cycles_run_while_tokens_are_argmaxes():
     assert oracle_acceptance.oracle_cycles([], 4) == []
 
 
+@pytest.mark.slow
 def test_oracle_reads_greedy_answers_as_all_argmax(models_dir, tmp_path):  # noqa: F811
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"category": "a", "messages": [{"role": "user", "content": "hello there"}]}))
     out = tmp_path / "oracle.json"
     oracle_acceptance.main(["--target-dir", str(models_dir / "target"), "--prompts", str(prompts), "--temperatures",
                             "0,0.8", "--block-size", "3", "--max-new-tokens", "8", "--out", str(out)])
-    greedy, sampled = json.loads(out.read_text())["results"]
+    greedy, sampled = json.loads(out.read_text())["results"]["rows"]
     assert greedy["argmax_share"] == 1.0  # the dense forward's argmax is the decoder's, token for token
     assert 1.0 <= sampled["oracle_tau"] <= greedy["oracle_tau"] <= 3.0

@@ -1,0 +1,253 @@
+"""Paged attention on the GPU: the jnp reference against the Pallas kernel at Qwen3-8B
+attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16, pages of 16, causal),
+batch 1 / 8 / 32 x context 1k / 8k x 1 or 16 query rows per request.
+
+    python -m bench.kernels.paged_attention --out $OUT/paged_attention.json
+    python -m bench.kernels.paged_attention --small --out /tmp/pa.json     # CPU smoke test
+
+Each point checks the kernel against the reference (max abs error, bf16 both) and then
+times, per call, the median over --reps runs of a jitted chain of --chain calls (after a
+warm-up): inside one program, so host dispatch is out of it; an optimisation barrier ties
+each call's query to the previous call's output, so calls run one after another and none
+is dead. The calls cycle through enough K/V cache copies (at least --min-cache-mb in all)
+that L2 (50 MB on an H200) does not hold the keys between calls, as in a real model where
+every layer has its own cache.
+
+Floor: the bytes a call must move (each visible key and value read once, queries read and
+outputs written once) over the device copy rate measured on the H200 (4.24 TB/s, see
+shared/ENVIRONMENT.md); ``GB/s`` is those bytes over the measured time.
+
+``pallas_split`` runs the kernel with the key splits (flash-decoding) that the runtime picks
+for the step (`default_kv_splits`), where that is more than one.
+"""
+
+import argparse
+import json
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from bench import harness
+from bench.shapes import QWEN3_8B, SMALL
+from dflash_jax.config import LayerAttention
+from pallas_kernels.common import TRITON_DEPRECATION
+from pallas_kernels.paged_attention import (
+    default_block_k,
+    default_block_q,
+    default_kv_splits,
+    paged_attention_pallas,
+    query_blocks,
+)
+from pallas_kernels.paged_attention_reference import paged_attention_reference as paged_attention
+
+# jax 0.11 warns at each Triton-backend lowering that the backend is deprecated; it works.
+warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+COPY_BYTES_PER_S = 4.24e12   # H200 device copy, read + write counted (ENVIRONMENT.md)
+CAUSAL = LayerAttention(True)
+
+
+def shapes(small):
+    """(num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query rows)."""
+    model = SMALL if small else QWEN3_8B
+    heads = (model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"], 16)
+    if small:
+        return *heads, (1, 2), (64, 128), (1, 4)
+    return *heads, (1, 8, 32), (1024, 8192), (1, 16)
+
+
+def make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim, page_size,
+               min_cache_bytes, dtype=jnp.bfloat16):
+    """Inputs of one point: `rows` queries per request at the last positions of `context`
+    keys, pages scattered at random, and several K/V cache copies to cycle through."""
+    pages_per_req = -(-context // page_size)
+    num_pages = 1 + batch * pages_per_req            # page 0 is the null page
+    table = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_req)
+    num_tokens = batch * rows
+    q_req = np.repeat(np.arange(batch), rows).astype(np.int32)
+    q_pos = np.tile(np.arange(context - rows, context), batch).astype(np.int32)
+    cache_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    cache_bytes = 2 * math.prod(cache_shape) * jnp.dtype(dtype).itemsize
+    copies = max(1, min(64, -(-min_cache_bytes // cache_bytes)))
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    keys = jax.random.split(key, 2 * copies + 1)
+    q = jax.random.normal(keys[0], (num_tokens, num_heads, head_dim), jnp.float32).astype(dtype)
+    caches = [(jax.random.normal(keys[1 + 2 * i], cache_shape, jnp.float32).astype(dtype),
+               jax.random.normal(keys[2 + 2 * i], cache_shape, jnp.float32).astype(dtype))
+              for i in range(copies)]
+    visible_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    io_bytes = 2 * q.size * q.dtype.itemsize + table.size * 4
+    return dict(q=q, q_pos=jnp.asarray(q_pos), q_req=jnp.asarray(q_req),
+                table=jnp.asarray(table, jnp.int32),
+                seq_lens=jnp.full((batch,), context, jnp.int32), caches=caches,
+                bytes=visible_bytes + io_bytes, copies=copies)
+
+
+def attention_fn(impl, page_size, kv_splits=1):
+    if impl == "reference":
+        return lambda q, pos, req, k, v, table, lens: paged_attention(
+            q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL)
+    return lambda q, pos, req, k, v, table, lens: paged_attention_pallas(
+        q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL, kv_splits=kv_splits)
+
+
+def time_fn(fn, point, reps, chain, blocks_q=None):
+    """Median seconds per call of a jitted chain of `chain` calls over the cache copies.
+    blocks_q: cut the query blocks once per chain with this block_q and pass them on."""
+    copies = point["caches"]
+
+    @jax.jit
+    def chained(q, pos, req, caches, table, lens):
+        extra = {} if blocks_q is None else dict(blocks=query_blocks(req, blocks_q))
+        out = q
+        for i in range(chain):
+            k, v = caches[i % len(caches)]
+            q_i = lax.optimization_barrier((q, out))[0]
+            out = fn(q_i, pos, req, k, v, table, lens, **extra)
+        return out
+
+    args = (point["q"], point["q_pos"], point["q_req"], tuple(copies), point["table"],
+            point["seq_lens"])
+    timing = harness.time_calls(lambda: chained(*args), reps=reps, warmup=3, calls_per_sample=chain)
+    return timing.median_s, timing.min_s, timing.max_s
+
+
+SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
+SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
+    dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
+
+
+def sweep(rng, reps, chain, min_cache_bytes):
+    """Kernel settings (block_k x kv_splits x num_stages) at the decode / verify points that
+    dominate a cycle. The query blocks are cut once per chain, as the runtime cuts them once
+    per step, so each call times the kernel (and the split epilogue) alone."""
+    num_heads, num_kv_heads, head_dim, page_size = shapes(False)[:4]
+    group_pad = 1 << math.ceil(math.log2(num_heads // num_kv_heads))
+    rows_out = []
+    for batch, context, rows in SWEEP_POINTS:
+        point = make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim, page_size,
+                           min_cache_bytes)
+        block_q = max(default_block_q(batch * rows, batch, num_heads // num_kv_heads), 16 // group_pad)
+        k0, v0 = point["caches"][0]
+        inputs = (point["q"], point["q_pos"], point["q_req"], k0, v0, point["table"], point["seq_lens"])
+        want = np.asarray(jax.jit(attention_fn("reference", page_size))(*inputs).astype(jnp.float32))
+        for settings in SWEEP_SETTINGS:
+            def fn(q, pos, req, k, v, table, lens, blocks=None):
+                return paged_attention_pallas(q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL,
+                                              block_q=block_q, blocks=blocks, **settings)
+
+            def with_blocks(q, pos, req, k, v, table, lens):
+                return fn(q, pos, req, k, v, table, lens, blocks=query_blocks(req, block_q))
+
+            try:
+                got = np.asarray(jax.jit(with_blocks)(*inputs).astype(jnp.float32))
+                median, low, _ = time_fn(fn, point, reps, chain, blocks_q=block_q)
+                row = dict(batch=batch, context=context, query_rows=rows, **settings, us=1e6 * median,
+                           us_min=1e6 * low, max_abs_err=float(np.max(np.abs(got - want))))
+            except Exception as error:  # a setting Triton cannot compile: record it, go on
+                row = dict(batch=batch, context=context, query_rows=rows, **settings,
+                           error=f"{type(error).__name__}: {str(error)[:200]}")
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        del point
+    return rows_out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_output_arguments(parser, out_default="paged_attention.json")
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
+    parser.add_argument("--reps", type=int, default=None, help="timed chains per measure")
+    parser.add_argument("--chain", type=int, default=None, help="calls per timed chain")
+    parser.add_argument("--min-cache-mb", type=float, default=None,
+                        help="K/V cache copies cycled through add up to at least this")
+    parser.add_argument("--kv-splits", default="auto",
+                        help="'auto' (the runtime's default_kv_splits), or a power of two for pallas_split")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time kernel settings at the points that dominate a cycle (GPU only)")
+    args = parser.parse_args(argv)
+    small = args.small
+    reps = args.reps or (3 if small else 30)
+    chain = args.chain or (2 if small else 10)
+    min_cache_bytes = int((args.min_cache_mb or (0 if small else 256)) * 2**20)
+    record = harness.Record(__spec__.name, args, argv, packages=("triton",))
+    print(json.dumps(record.env), flush=True)
+    num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small)
+    rng = np.random.default_rng(0)
+    if args.sweep:
+        rows = sweep(rng, reps, chain, min_cache_bytes)
+        record.write(dict(reps=reps, chain=chain, sweep=rows))
+        for r in rows:
+            settings = f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']}"
+            timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
+            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<32} {timing}")
+        return 0
+    results = []
+    for rows in query_rows:
+        for batch in batches:
+            for context in contexts:
+                point = make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim,
+                                   page_size, min_cache_bytes)
+                group = num_heads // num_kv_heads
+                block_q = max(default_block_q(batch * rows, batch, group),
+                              16 // (1 << math.ceil(math.log2(group))))
+                block_k = default_block_k(block_q * (1 << math.ceil(math.log2(group))))
+                if args.kv_splits != "auto":
+                    splits = int(args.kv_splits)
+                elif small:
+                    splits = 2  # the smoke test runs the split path too
+                else:
+                    splits = default_kv_splits(batch * rows, batch, block_q)
+                impls = {"reference": attention_fn("reference", page_size),
+                         "pallas": attention_fn("pallas", page_size)}
+                if splits > 1:
+                    impls["pallas_split"] = attention_fn("pallas", page_size, splits)
+                k0, v0 = point["caches"][0]
+                inputs = (point["q"], point["q_pos"], point["q_req"], k0, v0, point["table"],
+                          point["seq_lens"])
+                want = np.asarray(jax.jit(impls["reference"])(*inputs).astype(jnp.float32))
+                row = dict(batch=batch, context=context, query_rows=rows, block_q=block_q,
+                           block_k=block_k, kv_splits=splits, bytes=point["bytes"],
+                           cache_copies=point["copies"],
+                           floor_us=1e6 * point["bytes"] / COPY_BYTES_PER_S)
+                for name, fn in impls.items():
+                    got = np.asarray(jax.jit(fn)(*inputs).astype(jnp.float32))
+                    median, low, high = time_fn(fn, point, reps, chain)
+                    row[f"{name}_us"] = 1e6 * median
+                    row[f"{name}_us_min_max"] = [1e6 * low, 1e6 * high]
+                    row[f"{name}_max_abs_err"] = float(np.max(np.abs(got - want)))
+                    row[f"{name}_nan"] = bool(np.isnan(got).any())
+                    row[f"{name}_GBps"] = point["bytes"] / median / 1e9
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                del point
+
+    record.write(dict(reps=reps, chain=chain, min_cache_bytes=min_cache_bytes,
+                      shapes=dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  page_size=page_size, dtype="bfloat16", rule="causal"),
+                      points=results))
+
+    print(f"\nper call, median of {reps} chains of {chain}; err = max |kernel - reference|")
+    print(f"{'B':>3} {'ctx':>5} {'q':>3} {'floor_us':>9} {'ref_us':>9} {'pallas_us':>9} "
+          f"{'x_ref':>6} {'GB/s':>6} {'err':>8} {'S':>3} {'split_us':>9} {'x_ref':>6} {'err':>8}")
+    for r in results:
+        split = (f"{r['kv_splits']:>3} {r['pallas_split_us']:9.1f} "
+                 f"{r['reference_us'] / r['pallas_split_us']:6.2f} "
+                 f"{r['pallas_split_max_abs_err']:8.1e}") if "pallas_split_us" in r else \
+            f"{1:>3} {'-':>9} {'-':>6} {'-':>8}"
+        print(f"{r['batch']:>3} {r['context']:>5} {r['query_rows']:>3} {r['floor_us']:9.1f} "
+              f"{r['reference_us']:9.1f} {r['pallas_us']:9.1f} "
+              f"{r['reference_us'] / r['pallas_us']:6.2f} {r['pallas_GBps']:6.0f} "
+              f"{r['pallas_max_abs_err']:8.1e} {split}")
+    bad = [r for r in results for name in ("pallas", "pallas_split")
+           if f"{name}_max_abs_err" in r and (r[f"{name}_nan"] or r[f"{name}_max_abs_err"] > 0.05)]
+    print(f"results: {args.out}; points over 0.05 max abs error or NaN: {len(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

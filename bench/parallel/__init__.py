@@ -1,0 +1,1 @@
+"""Tensor parallelism: a cost model of what it should gain, and the table of what it did."""

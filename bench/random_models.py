@@ -1,0 +1,79 @@
+"""Random-weight models of `shapes.MODELS`, drawn on the device, and the bytes a decode step
+streams through them: speed does not depend on the values, only on the shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+
+from bench.shapes import MODELS
+
+
+def random_model(raw: dict, seed: int, dtype: str = "bfloat16"):
+    """A Target or Drafter for the HF-style config dict `raw` with random `dtype` weights drawn
+    on the default device: N(0, 0.02) matrices, ones for the 1-D (norm) weights.
+
+    One small jitted draw per distinct shape: drawing the whole 8B model in one jit spends
+    minutes compiling on the H200."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dflash_jax.config import parse_config
+    from dflash_jax.models import abstract_model, model_from_params
+
+    cfg = parse_config(raw)
+    dtype = jnp.dtype(dtype)
+    shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype)))
+
+    @functools.lru_cache(maxsize=None)
+    def draw(shape):
+        if len(shape) == 1:
+            return jax.jit(lambda key: jnp.ones(shape, dtype))
+        return jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+
+    leaves, treedef = jax.tree.flatten(shapes)
+    root = jax.random.key(seed)
+    params = [draw(tuple(leaf.shape))(jax.random.fold_in(root, i)) for i, leaf in enumerate(leaves)]
+    return model_from_params(cfg, dtype, jax.tree.unflatten(treedef, jax.block_until_ready(params)))
+
+
+def param_bytes(model, skip_embedding: bool = False) -> int:
+    import jax
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    total = sum(x.nbytes for x in jax.tree.leaves(state))
+    if skip_embedding and hasattr(model, "embed_tokens") and not model.cfg.tie_word_embeddings:
+        total -= model.embed_tokens.embedding[...].nbytes  # a step reads B rows of it, not all
+    return total
+
+
+def kv_bytes_per_token(model, num_layers: int) -> int:
+    cfg = model.cfg
+    return 2 * num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize  # k and v
+
+
+@dataclasses.dataclass
+class RandomPair:
+    target: object
+    drafter: object
+    target_stream_bytes: int  # what a target step reads of the weights
+    drafter_bytes: int
+    lm_head_bytes: int
+
+
+def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None) -> RandomPair:
+    """The random target and drafter of MODELS[model], placed on `mesh` if one is given (one at
+    a time: the first device holds a whole one-device model only while it is placed)."""
+    from dflash_jax.placement import shard_model
+
+    shapes = MODELS[model]
+    target = shard_model(random_model(shapes.target, seed, dtype), mesh)
+    gc.collect()
+    drafter = shard_model(random_model(shapes.drafter, seed + 1, dtype), mesh)
+    gc.collect()
+    cfg = target.cfg
+    return RandomPair(target, drafter, param_bytes(target, skip_embedding=True), param_bytes(drafter),
+                      cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)

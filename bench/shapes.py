@@ -1,0 +1,66 @@
+"""The model shapes benchmarks build random models of, as HF config.json dicts
+(`dflash_jax.config.parse_config` reads them): each target with a drafter of its form.
+
+Qwen3-8B and its DFlash-b16 drafter (5 layers, block 16, target layers [1, 9, 17, 25, 33],
+mask 151669); Qwen3-32B with a drafter of the same form at its sizes (target layers spread
+from 1 to 61 as the 8B's from 1 to 33: config.default_target_layer_ids); SmolLM2-135M-Instruct
+(Llama, tied head) with a drafter shaped like the shipped one
+(dflash_jax/assets/smollm2-135m-drafter), the launch-bound end; and SMALL, the same structure
+tiny, for CPU smoke tests (`--small`). A new architecture's shapes go here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+)
+QWEN3_8B_DRAFTER = dict(
+    architectures=["DFlashDraftModel"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, max_position_embeddings=40960, num_target_layers=36,
+    dflash_config=dict(mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], block_size=16),
+)
+QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)
+QWEN3_32B_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_target_layers=64,
+    dflash_config=dict(mask_token_id=151669, target_layer_ids=[1, 16, 31, 46, 61], block_size=16),
+)
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+    rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True,
+)
+SMOLLM2_135M_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=5,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+    max_position_embeddings=8192, num_target_layers=30,
+    dflash_config=dict(mask_token_id=16, target_layer_ids=[1, 8, 14, 20, 27], block_size=16),
+)
+SMALL = dict(QWEN3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+SMALL_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, num_target_layers=4,
+    dflash_config=dict(mask_token_id=1023, target_layer_ids=[1, 2], block_size=16),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShapes:
+    """A target's shape and its drafter's; `title` names them in reports."""
+
+    title: str
+    target: dict
+    drafter: dict
+
+
+MODELS = {
+    "qwen3-8b": ModelShapes("Qwen3-8B shape", QWEN3_8B, QWEN3_8B_DRAFTER),
+    "qwen3-32b": ModelShapes("Qwen3-32B shape", QWEN3_32B, QWEN3_32B_DRAFTER),
+    "smollm2-135m": ModelShapes("SmolLM2-135M shape", SMOLLM2_135M, SMOLLM2_135M_DRAFTER),
+    "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
+}
