@@ -2,6 +2,9 @@
 
 Each call hands the models to a `jax.jit`-compiled function as pytrees (NNX modules are),
 so repeated calls with the same shapes do not retrace and always read the current parameters.
+Sequence lengths are padded to a power of two (at least `MIN_LENGTH_BUCKET`) behind masks, so
+a caller walking a growing sequence (a replay of decoding, one call per step) compiles one
+program per bucket rather than one per length.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from pallas_kernels.attention_mask import CAUSAL, position_mask
+from pallas_kernels.common import next_pow2
+
+MIN_LENGTH_BUCKET = 16
 
 
 def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
@@ -30,6 +36,10 @@ def _token_ids(token_ids, vocab_size: int, what: str) -> jax.Array:
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"{what} holds ids outside the vocabulary [0, {vocab_size}).")
     return jnp.asarray(ids, jnp.int32)
+
+
+def _padded_length(length: int) -> int:
+    return max(MIN_LENGTH_BUCKET, next_pow2(length))
 
 
 def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), kernels: Kernels = Kernels(),
@@ -46,7 +56,10 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), 
     layer_ids = tuple(int(i) for i in layer_ids)
     if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
         raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
-    return _target_forward(target, ids, layer_ids, kernels.resolve())
+    num_tokens = ids.shape[0]
+    ids_P = jnp.pad(ids, (0, _padded_length(num_tokens) - num_tokens))  # causal: the tail sees the rest, not back
+    logits_PV, features_PF = _target_forward(target, ids_P, layer_ids, kernels.resolve())
+    return logits_PV[:num_tokens], features_PF[:num_tokens]
 
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "kernels"))
@@ -81,20 +94,24 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *,
             f"features must be [S, {drafter.cfg.fc_in_features}] (target layers "
             f"{list(drafter.cfg.target_layer_ids)} concatenated), got {list(features.shape)}."
         )
-    return _draft_logits(target, drafter, features, block, kernels.resolve())
+    num_ctx = features.shape[0]
+    features_PF = jnp.pad(features, ((0, _padded_length(num_ctx) - num_ctx), (0, 0)))
+    return _draft_logits(target, drafter, features_PF, jnp.int32(num_ctx), block, kernels.resolve())
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
-def _draft_logits(target, drafter, features_SF, block_B, kernels):
-    num_ctx, block_size = features_SF.shape[0], block_B.shape[0]
-    ctx_positions_S = jnp.arange(num_ctx, dtype=jnp.int32)
-    block_positions_B = num_ctx + jnp.arange(block_size, dtype=jnp.int32)
-    context_kv = drafter.context_kv(features_SF, ctx_positions_S)
-    key_positions = jnp.concatenate([ctx_positions_S, block_positions_B])
+def _draft_logits(target, drafter, features_PF, num_ctx, block_B, kernels):
+    """Context features padded to P rows, of which the first `num_ctx` are real: the padding's
+    keys are masked out and the block sits right after the real context."""
+    ctx_positions_P = jnp.arange(features_PF.shape[0], dtype=jnp.int32)
+    block_positions_B = num_ctx + jnp.arange(block_B.shape[0], dtype=jnp.int32)
+    context_kv = drafter.context_kv(features_PF, ctx_positions_P)
+    key_positions = jnp.concatenate([ctx_positions_P, block_positions_B])
+    real_keys = jnp.concatenate([ctx_positions_P < num_ctx, jnp.ones(block_B.shape, bool)])
 
     def attend(layer_idx, q, k, v):
         ctx_k, ctx_v = context_kv[layer_idx]
-        mask = position_mask(block_positions_B, key_positions, drafter.cfg.layers[layer_idx])
+        mask = position_mask(block_positions_B, key_positions, drafter.cfg.layers[layer_idx]) & real_keys
         return dense_attention(
             q, jnp.concatenate([ctx_k, k]), jnp.concatenate([ctx_v, v]), mask
         )
