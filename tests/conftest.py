@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,30 @@ import dflash_jax.cli
 # rest of the suite, writing every later test's programs to the user's cache folder (and
 # serializing executables that no test asked to keep). Commands run as subprocesses keep it.
 dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
+
+# Most of the suite's time is XLA compiling the same few tiny programs again: in the other
+# pytest-xdist worker, in the next module (whose models have the same shapes), and after
+# `release_compiled_programs`. One persistent compilation cache for the run, in a temporary
+# folder the first process makes and the workers it starts inherit, compiles each once.
+# Only this process uses it: commands run as subprocesses keep their own (their tests check it).
+TEST_COMPILE_CACHE_ENV = "DFLASH_JAX_TEST_COMPILE_CACHE"
+if TEST_COMPILE_CACHE_ENV not in os.environ:
+    os.environ[TEST_COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="dflash-jax-test-xla-")
+    OWNS_TEST_COMPILE_CACHE = True
+else:
+    OWNS_TEST_COMPILE_CACHE = False
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ[TEST_COMPILE_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def pytest_unconfigure(config):
+    if OWNS_TEST_COMPILE_CACHE:
+        shutil.rmtree(os.environ.pop(TEST_COMPILE_CACHE_ENV), ignore_errors=True)
 
 
 def release_compiled_programs() -> None:
