@@ -153,6 +153,7 @@ def no_download(monkeypatch):
     monkeypatch.setattr(demo.subprocess, "run", refuse)
 
 
+@pytest.mark.slow
 def test_demo_with_cached_target(models_dir, tmp_path, capsys, no_download):
     cache = tmp_path / "cache"
     convert_checkpoint(models_dir / "target", cache / demo.TARGET_DIR_NAME)

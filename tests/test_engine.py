@@ -65,8 +65,8 @@ def test_parameters_changed_after_construction_are_used(tmp_path):
 
 
 @pytest.mark.parametrize("drafter_name, block_size, async_scheduling", [
-    ("full", 4, True), ("full", 4, False), ("full", 2, True), ("sliding", 4, True), (None, None, True),
-    (None, None, False),
+    ("full", 4, True), ("full", 4, False), pytest.param("full", 2, True, marks=pytest.mark.slow),
+    pytest.param("sliding", 4, True, marks=pytest.mark.slow), (None, None, True), (None, None, False),
 ])
 def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling):
     target, drafters, reference = models
@@ -110,6 +110,7 @@ def test_async_scheduling_returns_each_step_one_call_later(models, drafter_name)
     assert returned[True] == [[]] + returned[False]
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_and_stays_exact(models):
     target, drafters, reference = models
     # 16 usable pages of 8 tokens: not enough for all five requests at once.
@@ -120,6 +121,7 @@ def test_preemption_recomputes_and_stays_exact(models):
     assert engine.scheduler.allocator.num_free == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
 def test_sampled_request_is_the_same_alone_or_in_a_batch(models, draft_sampling):
     """... and the same as generate's, with either kind of drafts."""
@@ -211,6 +213,7 @@ def test_bad_engine_settings_are_refused(models):
         Engine(target, drafters["full"], draft_sampling="greedy")
 
 
+@pytest.mark.slow
 def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     """The windowed drafter group gives back pages that left the window; the drafts (hence
     the accepted lengths) stay those of generate(), which keeps every page."""
@@ -231,6 +234,7 @@ def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     assert window_pool.num_free == window_pool.num_pages - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter_name, block_size, draft_block_size", [
     ("sliding", None, None),  # windowed pages evicted along the way
     ("full", 3, None),  # verify 2 drafts of the drafter's own (trained) block
@@ -384,6 +388,7 @@ def test_a_failing_request_ends_alone(models, monkeypatch):
         engine.output(ids[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling, draft_sampling", [(True, "sample"), (False, "sample"), (True, "argmax")])
 def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling, draft_sampling):
     """Sampled requests (temperature 0.8, fixed seeds) in a cache tight enough to preempt

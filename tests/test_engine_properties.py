@@ -66,6 +66,7 @@ def run(engine, requests):
     return {i: engine.output(request_id) for i, request_id in ids.items()}, aborted
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request, min_size=1, max_size=5))
 def test_each_request_is_what_it_would_be_alone(pair, requests):

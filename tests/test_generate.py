@@ -145,7 +145,7 @@ def dense_replay_lengths(target, drafter, prompt, generated, block_size, draft_b
     return lengths
 
 
-@pytest.mark.parametrize("draft_block_size", [None, 4])
+@pytest.mark.parametrize("draft_block_size", [pytest.param(None, marks=pytest.mark.slow), 4])
 def test_draft_block_size_drafts_the_trained_block_and_verifies_fewer(pair, draft_block_size):
     """block_size 4 with the drafter's own block of 8 (the default) or exactly the verified 4."""
     _, _, target, drafter = pair

@@ -16,6 +16,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 NEED_SMOLLM2_DRAFTER = {"01_quickstart.ipynb", "03_acceptance.ipynb"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     if path.name in NEED_SMOLLM2_DRAFTER and not DEFAULT_DRAFTER.exists() and not os.environ.get("DFLASH_JAX_DRAFTER"):

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 import dflash_jax
 from conftest import drafter_config_dict, make_zlab_drafter, save_hf
@@ -18,6 +19,7 @@ from test_generate import biased_target
 from test_serve import write_char_tokenizer
 
 
+@pytest.mark.slow
 def test_serves_while_warming_then_ready(tmp_path):
     hf = biased_target(seed=2)
     save_hf(hf, tmp_path / "target")

@@ -37,6 +37,7 @@ def test_greedy_tokens_equal_at_every_tensor_parallel_size():
     assert len({token for row in out["qwen3/1"][0] for token in row}) > 3  # not one repeated token
 
 
+@pytest.mark.slow
 def test_engine_and_seeded_sampling_equal_across_tensor_parallel_sizes():
     out = run_case("engine_and_sampling")
     assert out["engine/4"] == out["engine/1"]
@@ -60,6 +61,7 @@ def test_compiled_step_has_two_all_reduces_per_layer_and_no_weight_gather():
         assert out[f"{kind}/per_device_bytes"] * 4 == pytest.approx(out[f"{kind}/total_bytes"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_per_shard_give_the_reference_tokens():
     out = run_case("pallas")
     assert out["2"] == out["1"]
@@ -71,6 +73,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_at_tensor_parallel_4_give_one_process_tokens(tmp_path):
     """`dflash-jax generate` over 2 processes of 2 fake devices each (gloo collectives on
     127.0.0.1), one model split 4 ways, prints the tokens one process prints at TP 1."""
@@ -104,6 +107,7 @@ def test_two_processes_at_tensor_parallel_4_give_one_process_tokens(tmp_path):
         assert tokens(stdout) == tokens(single.stdout) and len(tokens(stdout)) == 2
 
 
+@pytest.mark.slow
 def test_data_parallel_training_follows_the_one_device_loss_curve():
     out = run_case("train")
     assert out["4"] == pytest.approx(out["1"], rel=1e-4)

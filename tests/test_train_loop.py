@@ -43,6 +43,7 @@ def greedy_dataset(path, target, num_prompts=48, prompt_len=6, new_tokens=40, se
     return DrafterDataset(save_dataset(path, sequences, {"source": "test greedy"}))
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_and_raises_acceptance(tmp_path):
     target, drafter = tiny_pair()
     dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=128)
