@@ -41,8 +41,9 @@ DEVICES_SCRIPT = ("import json, jax; d = jax.devices(); "
 def add_output_arguments(parser: argparse.ArgumentParser, *, out_default: str | None = None,
                          out_required: bool = False) -> None:
     """--out (the JSON record) and --commit."""
+    where = f" (default {out_default})" if out_default else "" if out_required else " (none: stdout only)"
     parser.add_argument("--out", type=Path, default=out_default, required=out_required,
-                        help="the JSON record of the run" + ("" if out_required else " (none: stdout only)"))
+                        help="the JSON record of the run" + where)
     add_commit_argument(parser)
 
 

@@ -19,8 +19,11 @@ def speed_results(path: Path) -> dict | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    results = data.get("results", data) if isinstance(data, dict) else None
-    return results if isinstance(results, dict) and "points" in results else None
+    if not isinstance(data, dict):
+        return None
+    if data.get("benchmark") == "bench.decode.speed":
+        return data["results"]
+    return data if "benchmark" not in data and "points" in data else None
 
 
 def table(folders: list[str]) -> list[str]:

@@ -229,7 +229,7 @@ def main(argv=None):
     record.write(dict(reps=reps, chain=chain, min_cache_bytes=min_cache_bytes,
                       shapes=dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, dtype="bfloat16", rule="causal"),
-                      points=results))
+                      timings=results))
 
     print(f"\nper call, median of {reps} chains of {chain}; err = max |kernel - reference|")
     print(f"{'B':>3} {'ctx':>5} {'q':>3} {'floor_us':>9} {'ref_us':>9} {'pallas_us':>9} "
