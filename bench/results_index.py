@@ -7,7 +7,7 @@ One row per file under bench/results/ (raw/ included; INDEX.md and hidden files 
 newest first: the date from the file's name (or its folder's), a link, the device, a
 one-line title and, for JSON files, the benchmark and commit where the file records them.
 
-- device: for JSON, its "device" (or versions.device) field; else a device named in the
+- device: for JSON, its "device" (or env.device, or versions.device) field; else a device named in the
   path (h200, cpu); else one named in the content ("H200", "device": "cpu", "on cpu");
   else, for a file in a raw/ folder, the device in the name of the summary file that shares
   the folder's name (2026-12-01-s14 -> 2026-12-01-s14-h200.md); else "GPU host" where a
@@ -98,7 +98,8 @@ def _device_from_path(rel: str) -> str | None:
 def _device_from_json(data: object) -> str | None:
     if not isinstance(data, dict):
         return None
-    device = _device_name(data.get("device"))
+    env = data.get("env")  # the harness's records keep the environment under "env"
+    device = _device_name(data.get("device") or (env.get("device") if isinstance(env, dict) else None))
     versions = data.get("versions")
     if device is None and isinstance(versions, dict):
         device = _device_name(versions.get("device"))
@@ -213,8 +214,11 @@ def describe(path: Path, rel: str, names: list[str]) -> dict:
         row["device"] = _device_from_json(data)
         row["title"] = _json_title(data)
         row["benchmark"] = _benchmark(data)
-        if isinstance(data, dict) and isinstance(data.get("commit"), str):
-            row["commit"] = data["commit"]
+        if isinstance(data, dict):
+            env = data.get("env") if isinstance(data.get("env"), dict) else {}
+            commit = env.get("commit", data.get("commit"))
+            if isinstance(commit, str):
+                row["commit"] = commit
     elif text is None:
         row["title"] = f"binary file ({path.suffix or 'no extension'})"
     elif path.suffix == ".md":
