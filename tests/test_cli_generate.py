@@ -48,6 +48,7 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_generate_text_prompt_speculative_equals_autoregressive(models_dir, capsys):
     target = models_dir / "target"
     common = ["generate", "--target", target, "--prompt", "hello there", "--prompt", "how are you",
@@ -70,6 +71,7 @@ def test_generate_text_prompt_speculative_equals_autoregressive(models_dir, caps
     assert "tokens/s" in spec_out.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_generate_dtype(models_dir, capsys, monkeypatch):
     """--dtype loads both models in that dtype; the answers are bf16 decoding's."""
     loaded = []
@@ -87,6 +89,7 @@ def test_generate_dtype(models_dir, capsys, monkeypatch):
     assert out.splitlines()[0] == ChatTokenizer(target).decode(expected.token_ids[0])
 
 
+@pytest.mark.slow
 def test_generate_draft_sampling(models_dir, capsys):
     """--draft-sampling reaches generate; the seeded answer is generate's."""
     argv = ["generate", "--target", models_dir / "target", "--drafter", models_dir / "drafter", "--prompt-ids",

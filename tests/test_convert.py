@@ -59,6 +59,7 @@ def test_tied_head_reads_a_derived_copy_that_is_never_saved(tmp_path):
     assert "head_DV" not in nnx.to_pure_dict(nnx.state(target, nnx.Param))
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_round_trip_and_dtype_choice(tmp_path):
     hf_dir = save_hf(make_hf_target("qwen3").to(torch.bfloat16), tmp_path / "hf")
     convert_ok(hf_dir, tmp_path / "out")

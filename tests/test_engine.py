@@ -49,6 +49,7 @@ def run(engine, prompts, params, arrive_late=(), abort=None):
     return [ids[i] for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_parameters_changed_after_construction_are_used(tmp_path):
     """An engine reads its models' current parameters at every step: after two tokens'
     LM-head columns are swapped, it decodes what `generate` does with the swap."""
@@ -79,6 +80,7 @@ def test_engine_equals_autoregressive(models, drafter_name, block_size, async_sc
         assert all(sum(engine.stats(i).accepted_lengths) == 19 for i in ids)
 
 
+@pytest.mark.slow
 def test_stop_tokens_and_abort(models):
     target, drafters, reference = models
     stop = reference[1][5]
@@ -136,6 +138,7 @@ def test_sampled_request_is_the_same_alone_or_in_a_batch(models, draft_sampling)
     assert static.token_ids[0] == alone.output(only)
 
 
+@pytest.mark.slow
 def test_each_launching_step_records_its_launch_time(models):
     """The benchmarks' door: `last_launch_s`, the host time of the last step's launch."""
     target, _, _ = models
@@ -148,6 +151,7 @@ def test_each_launching_step_records_its_launch_time(models):
     assert 0 < first and 0 < engine.last_launch_s != first
 
 
+@pytest.mark.slow
 def test_no_compilation_after_precompile(models):
     target, drafters, _ = models
     engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32)
@@ -276,6 +280,7 @@ def test_drafts_match_the_dense_drafter(models, drafter_name, block_size, draft_
         assert other_block_differs  # the test can tell the two block sizes apart
 
 
+@pytest.mark.slow
 def test_tight_cache_serves_to_the_end(models):
     """A cache exactly as large as add_request demands still serves the request to its end."""
     target, drafters, reference = models
@@ -290,6 +295,7 @@ def test_tight_cache_serves_to_the_end(models):
     assert engine.output(request_id) == expected
 
 
+@pytest.mark.slow
 def test_warming_engine_admits_within_its_compiled_programs(models):
     """While the rest compile elsewhere (a server warming up), an engine with only its first
     program (one request at the token budget, sampling) runs requests one at a time, decode
@@ -304,6 +310,7 @@ def test_warming_engine_admits_within_its_compiled_programs(models):
     assert Engine.num_traces() == traces and engine.num_compiled() == 1
 
 
+@pytest.mark.slow
 def test_precompile_covers_budgets_below_eight_tokens(models):
     target, drafters, _ = models
     engine = Engine(target, drafters["full"], max_num_reqs=1, max_num_tokens=4)

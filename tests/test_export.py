@@ -30,6 +30,7 @@ def test_config_round_trips(raw):
     assert parse_config(to_hf_config(cfg)) == cfg
 
 
+@pytest.mark.slow
 def test_exported_pair_loads_in_transformers_and_zlab(tmp_path):
     import transformers
     from dflash.model import DFlashDraftModel

@@ -92,6 +92,7 @@ def test_kernel_choice_refuses_unknown_values():
         Kernels().finish_heads
 
 
+@pytest.mark.slow
 def test_fused_heads_keep_greedy_tokens(tmp_path):
     """Every layer of the target and drafter finishing its heads through the kernel (interpret
     mode) gives the reference path's greedy tokens and accepted lengths."""

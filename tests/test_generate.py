@@ -48,6 +48,7 @@ def hf_greedy(hf, prompt, max_new_tokens, stop=None):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_equals_autoregressive_and_transformers(pair):
     hf, _, target, drafter = pair
     ar = generate_autoregressive(target, PROMPTS, max_new_tokens=24)
@@ -71,6 +72,7 @@ def test_stop_tokens_end_requests_at_different_times(pair):
     assert len({len(t) for t in spec.token_ids}) > 1
 
 
+@pytest.mark.slow
 def test_parameters_changed_between_calls_are_used(tmp_path):
     """generate reads a model's parameters at every call (no copy kept between calls): after
     swapping two tokens' LM-head columns, its output follows transformers with the same swap."""
@@ -115,6 +117,7 @@ DRAFTERS = {
 }
 
 
+@pytest.mark.slow
 def test_pallas_attention_equals_reference(pair):
     """The Pallas paged-attention kernel (interpret mode on CPU) in target and drafter steps."""
     _, _, target, drafter = pair
@@ -145,7 +148,8 @@ def dense_replay_lengths(target, drafter, prompt, generated, block_size, draft_b
     return lengths
 
 
-@pytest.mark.parametrize("draft_block_size", [pytest.param(None, marks=pytest.mark.slow), 4])
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_block_size", [None, 4])
 def test_draft_block_size_drafts_the_trained_block_and_verifies_fewer(pair, draft_block_size):
     """block_size 4 with the drafter's own block of 8 (the default) or exactly the verified 4."""
     _, _, target, drafter = pair
@@ -159,6 +163,7 @@ def test_draft_block_size_drafts_the_trained_block_and_verifies_fewer(pair, draf
         generate(target, drafter, PROMPTS[:1], max_new_tokens=4, block_size=4, draft_block_size=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_matches_zlab_reference_loop(tmp_path, kind):
     hf = biased_target(seed=3)
@@ -179,6 +184,7 @@ def test_matches_zlab_reference_loop(tmp_path, kind):
     assert np.mean(means) > 1.5, means
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_alone_or_in_a_batch(tmp_path):
     hf = make_hf_target("qwen3", num_hidden_layers=6, head_dim=16)
     config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})

@@ -206,6 +206,7 @@ def test_chi_square_catches_wrong_samplers(draft_sampling):
     assert token_pvalue(replacement_from_p, p[0]) < P_MIN
 
 
+@pytest.mark.slow
 def test_argmax_drafts_verify_as_one_hot_q():
     """argmax_drafts=True gives the tokens of the general test with q = one_hot(drafts), for
     sampled, truncated and greedy rows alike; a draft outside p's support is never accepted."""
@@ -261,6 +262,7 @@ def _greedy_case():
     return logits, drafts.astype(np.int32), q, num_drafts, np.minimum(matches, num_drafts), argmax
 
 
+@pytest.mark.slow
 def test_greedy_verification():
     logits, drafts, q, num_drafts, expected, argmax = _greedy_case()
     rows = len(drafts)
@@ -348,6 +350,7 @@ def _step(batch, argmax):
     return drafts, tokens, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling", sampling.DRAFT_SAMPLING)
 def test_batch_invariance(draft_sampling):
     rng = np.random.default_rng(6)

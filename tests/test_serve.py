@@ -131,6 +131,7 @@ def test_models_and_health(served):
     assert health.status_code == 200 and health.json()["status"] == "ready"
 
 
+@pytest.mark.slow
 def test_greedy_completions_equal_generate(served, client):
     tokenizer = served[1]
     prompts_ids = [tokenizer.encode_text(p) for p in PROMPTS[:3]]
@@ -171,6 +172,7 @@ def test_streams_concatenate_to_whole_answers(served, client):
     assert "".join(pieces) == whole.choices[0].text
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_requests_equal_their_solo_results(served):
     tokenizer = served[1]
     prompts = CONCURRENT

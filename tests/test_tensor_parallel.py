@@ -28,6 +28,7 @@ def run_case(case: str, *args: str, timeout: float = 400) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_at_every_tensor_parallel_size():
     out = run_case("greedy")
     assert out["qwen3/1"][0] == out["qwen3/ar"]

@@ -23,6 +23,7 @@ from test_train_forward import tiny_pair
 from test_train_loop import dense_greedy, greedy_dataset
 
 
+@pytest.mark.slow
 def test_build_data_then_train_cli(tmp_path, monkeypatch, capsys):
     target, _ = tiny_pair()
     save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
@@ -52,6 +53,7 @@ def test_build_data_then_train_cli(tmp_path, monkeypatch, capsys):
     assert cli.main([*train, "--mask-token-id", "63"]) == 2  # finished runs are not overwritten
 
 
+@pytest.mark.slow
 def test_export_convert_load_round_trip(tmp_path):
     target, drafter = tiny_pair()
     dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)

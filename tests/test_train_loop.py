@@ -74,6 +74,7 @@ class Interrupting:
         return self.dataset.batch(step, *args)
 
 
+@pytest.mark.slow
 def test_resume_matches_unbroken_run(tmp_path):
     target, drafter = tiny_pair()
     dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
@@ -91,6 +92,7 @@ def test_resume_matches_unbroken_run(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_time_budget_checkpoints_and_stops(tmp_path):
     target, drafter = tiny_pair()
     dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)

@@ -123,6 +123,7 @@ def test_tiny_temperature_is_the_argmax(temperature):
 # --- training that diverges ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_stops_on_a_non_finite_loss_and_keeps_only_finite_checkpoints(tmp_path):
     from test_train_forward import tiny_pair
     from test_train_loop import greedy_dataset
