@@ -7,6 +7,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 import dflash_jax
 from dflash_jax import cli
