@@ -13,15 +13,15 @@ import jax
 import jax.numpy as jnp
 
 
-def dense_attention(q_TNH, k_SKH, v_SKH, mask_TS):
-    """Softmax attention with grouped KV heads, softmax in float32; output [T, N, H]."""
-    num_tokens, num_heads, head_dim = q_TNH.shape
-    num_kv_heads = k_SKH.shape[1]
-    q_TKGH = q_TNH.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores_KGTS = jnp.einsum(
-        "tkgh,skh->kgts", q_TKGH, k_SKH, preferred_element_type=jnp.float32
+def dense_attention(q_TUH, k_LKH, v_LKH, mask_TL):
+    """Softmax attention with grouped KV heads, softmax in float32; output [T, U, H]."""
+    num_tokens, num_heads, head_dim = q_TUH.shape
+    num_kv_heads = k_LKH.shape[1]
+    q_TKGH = q_TUH.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores_KGTL = jnp.einsum(
+        "tkgh,lkh->kgtl", q_TKGH, k_LKH, preferred_element_type=jnp.float32
     ) * (head_dim**-0.5)
-    scores_KGTS = jnp.where(mask_TS[None, None], scores_KGTS, -jnp.inf)
-    probs_KGTS = jax.nn.softmax(scores_KGTS, axis=-1)
-    out_TKGH = jnp.einsum("kgts,skh->tkgh", probs_KGTS.astype(v_SKH.dtype), v_SKH)
-    return out_TKGH.reshape(num_tokens, num_heads, head_dim).astype(q_TNH.dtype)
+    scores_KGTL = jnp.where(mask_TL[None, None], scores_KGTL, -jnp.inf)
+    probs_KGTL = jax.nn.softmax(scores_KGTL, axis=-1)
+    out_TKGH = jnp.einsum("kgtl,lkh->tkgh", probs_KGTL.astype(v_LKH.dtype), v_LKH)
+    return out_TKGH.reshape(num_tokens, num_heads, head_dim).astype(q_TUH.dtype)

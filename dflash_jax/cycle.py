@@ -16,9 +16,7 @@ commits more than `remaining`; what it commits ends at its first stop token. Its
 read the committed tokens and finish a request when `stopped` or when the tokens it
 committed reach `remaining`.
 
-Shape letters (the package's legend): R batch rows, S request slots, Q = 1 + N verify rows
-per request (1 for a batch without drafts), N drafts, V vocabulary, T target tokens, X stop
-ids per row.
+Names end in shape letters (`drafts_SN`, `tokens_RQ`): the legend is docs/ARCHITECTURE.md, "Shape letters".
 """
 
 from __future__ import annotations
@@ -114,7 +112,7 @@ class SamplingRows:
     jax.tree_util.register_dataclass,
     data_fields=[
         "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
-        "next_prefill_tokens_R", "stop_ids_RX", "sampling",
+        "next_prefill_tokens_R", "stop_ids_RE", "sampling",
     ],
     meta_fields=[],
 )
@@ -130,7 +128,7 @@ class CycleBatch:
     verifying_R: jax.Array  # bool: the row verifies drafts (else a prefill chunk)
     remaining_R: jax.Array  # tokens the row may still commit; 0: it commits nothing (mid-prefill, done)
     next_prefill_tokens_R: jax.Array  # the next prompt token of a row mid-prefill (the drafter's anchor)
-    stop_ids_RX: jax.Array  # the row's stop token ids, padded with -1
+    stop_ids_RE: jax.Array  # the row's stop token ids, padded with -1
     sampling: SamplingRows
 
 
@@ -151,13 +149,13 @@ def drafts_to_verify(remaining_R, num_drafts: int):
     return jnp.clip(remaining_R - 1, 0, num_drafts)
 
 
-def commit_counts(tokens_RQ, num_accepted_R, remaining_R, stop_ids_RX):
+def commit_counts(tokens_RQ, num_accepted_R, remaining_R, stop_ids_RE):
     """(count_R, stopped_R): a row commits its accepted drafts and the target's token, up to
     and including its first stop token; nothing if it had nothing remaining. E.g. tokens [5, 9,
     2, 7], 2 accepted, stop ids [2]: count 3 -> [5, 9, 2], stopped."""
     offsets_Q = jnp.arange(tokens_RQ.shape[1], dtype=jnp.int32)
     count_R = jnp.where(remaining_R > 0, num_accepted_R + 1, 0)
-    is_stop_RQ = (tokens_RQ[:, :, None] == stop_ids_RX[:, None, :]).any(-1) & (offsets_Q < count_R[:, None])
+    is_stop_RQ = (tokens_RQ[:, :, None] == stop_ids_RE[:, None, :]).any(-1) & (offsets_Q < count_R[:, None])
     stopped_R = is_stop_RQ.any(axis=1)
     count_R = jnp.where(stopped_R, jnp.argmax(is_stop_RQ, axis=1) + 1, count_R)
     return count_R, stopped_R
@@ -180,23 +178,23 @@ def with_slot_rows(array_S, slots_R, values_R, where_R=None):
     return array_S.at[slots_R].set(values_R, mode="drop")
 
 
-def verify_batch(state: DecodeState, page_table_SM, remaining_S, stop_ids_SX, sampling_rows: SamplingRows,
+def verify_batch(state: DecodeState, page_table_SP, remaining_S, stop_ids_SE, sampling_rows: SamplingRows,
                  page_size: int) -> CycleBatch:
     """Every slot as one verify row block (anchor + drafts at consecutive positions): the
     batch of `generate`'s loop, where batch row r is slot r."""
     num_slots = state.anchor_S.shape[0]
     tokens_SQ = jnp.concatenate([state.anchor_S[:, None], state.drafts_SN], axis=1)
-    target = block_batch(tokens_SQ, state.anchor_pos_S, page_table_SM, page_size)
+    target = block_batch(tokens_SQ, state.anchor_pos_S, page_table_SP, page_size)
     return CycleBatch(
         target=target,
-        draft_page_tables=(page_table_SM,) * len(state.draft_caches),
+        draft_page_tables=(page_table_SP,) * len(state.draft_caches),
         slots_R=None,
         verify_rows_RQ=target.logits_rows.reshape(tokens_SQ.shape),
         anchor_pos_R=state.anchor_pos_S,
         verifying_R=jnp.ones((num_slots,), bool),
         remaining_R=remaining_S,
         next_prefill_tokens_R=jnp.zeros((num_slots,), jnp.int32),
-        stop_ids_RX=stop_ids_SX,
+        stop_ids_RE=stop_ids_SE,
         sampling=sampling_rows,
     )
 
@@ -253,7 +251,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
                 num_drafts_R, p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R, batch.anchor_pos_R,
                 greedy=cfg.greedy, argmax_drafts=cfg.argmax_drafts,
             )
-        count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RX)
+        count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RE)
     samples_R = batch.remaining_R > 0
     # A prefill chunk that commits nothing is followed by its next prompt token, the anchor
     # the drafter conditions on (a request resumed after preemption continues from its last

@@ -44,7 +44,7 @@ def _padded_length(length: int) -> int:
 
 def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), kernels: Kernels = Kernels(),
                    mesh: Mesh | None = None):
-    """(logits [T, V] float32, features [T, len(layer_ids) * H]) for positions 0..T-1.
+    """(logits [T, V] float32, features [T, F], F = len(layer_ids) * D) for positions 0..T-1.
 
     `features` concatenates the outputs of the listed decoder layers (0-based, before the
     final norm: HF `hidden_states[id + 1]`), in the order given. Of `kernels` the dense path
@@ -57,9 +57,9 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), 
     if any(not 0 <= i < target.cfg.num_layers for i in layer_ids):
         raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
     num_tokens = ids.shape[0]
-    ids_P = jnp.pad(ids, (0, _padded_length(num_tokens) - num_tokens))  # causal: the tail sees the rest, not back
-    logits_PV, features_PF = _target_forward(target, ids_P, layer_ids, kernels.resolve())
-    return logits_PV[:num_tokens], features_PF[:num_tokens]
+    ids_T = jnp.pad(ids, (0, _padded_length(num_tokens) - num_tokens))  # causal: the tail sees the rest, not back
+    logits_TV, features_TF = _target_forward(target, ids_T, layer_ids, kernels.resolve())
+    return logits_TV[:num_tokens], features_TF[:num_tokens]
 
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "kernels"))
@@ -95,19 +95,19 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *,
             f"{list(drafter.cfg.target_layer_ids)} concatenated), got {list(features.shape)}."
         )
     num_ctx = features.shape[0]
-    features_PF = jnp.pad(features, ((0, _padded_length(num_ctx) - num_ctx), (0, 0)))
-    return _draft_logits(target, drafter, features_PF, jnp.int32(num_ctx), block, kernels.resolve())
+    features_LF = jnp.pad(features, ((0, _padded_length(num_ctx) - num_ctx), (0, 0)))
+    return _draft_logits(target, drafter, features_LF, jnp.int32(num_ctx), block, kernels.resolve())
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
-def _draft_logits(target, drafter, features_PF, num_ctx, block_B, kernels):
-    """Context features padded to P rows, of which the first `num_ctx` are real: the padding's
+def _draft_logits(target, drafter, features_LF, num_ctx, block_B, kernels):
+    """Context features padded to L rows, of which the first `num_ctx` are real: the padding's
     keys are masked out and the block sits right after the real context."""
-    ctx_positions_P = jnp.arange(features_PF.shape[0], dtype=jnp.int32)
+    ctx_positions_L = jnp.arange(features_LF.shape[0], dtype=jnp.int32)
     block_positions_B = num_ctx + jnp.arange(block_B.shape[0], dtype=jnp.int32)
-    context_kv = drafter.context_kv(features_PF, ctx_positions_P)
-    key_positions = jnp.concatenate([ctx_positions_P, block_positions_B])
-    real_keys = jnp.concatenate([ctx_positions_P < num_ctx, jnp.ones(block_B.shape, bool)])
+    context_kv = drafter.context_kv(features_LF, ctx_positions_L)
+    key_positions = jnp.concatenate([ctx_positions_L, block_positions_B])
+    real_keys = jnp.concatenate([ctx_positions_L < num_ctx, jnp.ones(block_B.shape, bool)])
 
     def attend(layer_idx, q, k, v):
         ctx_k, ctx_v = context_kv[layer_idx]

@@ -55,7 +55,7 @@ class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
     work: list[Work]
-    committed_RP: jax.Array  # int32 [R, Q + 2]: `Committed` packed (tokens, count, stopped) for one transfer
+    packed: jax.Array  # int32 [R, Q + 2]: `Committed` packed (tokens, count, stopped) for one transfer
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
@@ -307,10 +307,10 @@ class Engine:
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         ints, floats = jax.device_put((inputs.ints, inputs.floats), self._whole)
-        self._state, committed_RP = self._executable(program)(self._param_leaves(), self._state, ints, floats)
+        self._state, packed = self._executable(program)(self._param_leaves(), self._state, ints, floats)
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
-        return _Launched(work, committed_RP)
+        return _Launched(work, packed)
 
     def _program_for(self, work: list[Work]) -> Program:
         """The batch's own program; while warming up, if that is not compiled yet, the smallest
@@ -352,8 +352,8 @@ class Engine:
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them; outputs of
         requests finished or preempted since the launch are dropped."""
-        committed_RP = jax.device_get(launched.committed_RP)
-        tokens_RQ, count_R, stopped_R = committed_RP[:, :-2], committed_RP[:, -2], committed_RP[:, -1]
+        packed = jax.device_get(launched.packed)
+        tokens_RQ, count_R, stopped_R = packed[:, :-2], packed[:, -2], packed[:, -1]
         outputs = []
         for r, w in enumerate(launched.work):
             if not self.scheduler.is_current(w):
@@ -478,9 +478,9 @@ def _executables(treedefs, cfg: CycleConfig) -> _Executables:
         mesh = models[0].mesh  # the donated state comes back placed as it went in (see Engine._whole)
         state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
             "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
-        packed_RP = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
-                                     committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
-        return state, packed_RP
+        packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
+                                  committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
+        return state, packed
 
     return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(4, 5)))
 

@@ -184,13 +184,13 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
         top_p_R=np.full((num_reqs,), params["top_p"], np.float32),
         seeds_R=np.broadcast_to(np.asarray(params["seed"]), (num_reqs,)).astype(np.int32),
     )
-    stop_ids_X = stop_id_array(params["stop_token_ids"])
-    stop_ids_RX = np.broadcast_to(stop_ids_X, (num_reqs, stop_ids_X.size))
+    stop_ids_E = stop_id_array(params["stop_token_ids"])
+    stop_ids_RE = np.broadcast_to(stop_ids_E, (num_reqs, stop_ids_E.size))
     treedefs, leaves = flatten_models((target,) if drafter is None else (target, drafter))
     # Host arrays go to the program as numpy: jit transfers them with its arguments, no
     # eager op per array.
     arguments = (leaves, _prefill_batch(prompts, page_table, page_size), np.int32(max_new_tokens), sampling_rows,
-                 np.ascontiguousarray(stop_ids_RX))
+                 np.ascontiguousarray(stop_ids_RE))
     static = dict(capacity=capacity, page_size=page_size, cfg=cfg, treedefs=treedefs)
     if compile_only:  # the jitted function keeps the executable for the call that runs it
         _program.lower(*arguments, **static).compile()
@@ -279,7 +279,7 @@ def num_traces() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "page_size", "cfg", "treedefs"))
-def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: SamplingRows, stop_ids_RX, *,
+def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: SamplingRows, stop_ids_RE, *,
              capacity: int, page_size: int, cfg: CycleConfig, treedefs):
     """The whole run as one program: the prefill as a cycle over the prompts, then cycles
     over every request's verify rows until all are done. The models arrive as flat lists of
@@ -306,7 +306,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
         verifying_R=jnp.zeros((num_reqs,), bool),
         remaining_R=jnp.full((num_reqs,), max_new_tokens, jnp.int32),
         next_prefill_tokens_R=zeros_R,
-        stop_ids_RX=stop_ids_RX,
+        stop_ids_RE=stop_ids_RE,
         sampling=sampling_rows,
     )
     with jax.named_scope("prefill"):
@@ -322,7 +322,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
 
     def cycle(loop: _Loop) -> _Loop:
         remaining_R = jnp.where(loop.done_R, 0, max_new_tokens - loop.num_generated_R)
-        batch = verify_batch(loop.decode, prefill.page_table, remaining_R, stop_ids_RX, sampling_rows, page_size)
+        batch = verify_batch(loop.decode, prefill.page_table, remaining_R, stop_ids_RE, sampling_rows, page_size)
         decode, committed = speculative_cycle(models, loop.decode, batch, cfg)
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 

@@ -222,8 +222,8 @@ class Attention(nnx.Module):
     def project(self, x_TD, positions_T) -> ProjectedHeads:
         """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""
         cfg = self.cfg
-        qkv_TXH = self.qkv_proj(x_TD).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        return ProjectedHeads(qkv_TXH, positions_T, self)
+        qkv_TYH = self.qkv_proj(x_TD).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        return ProjectedHeads(qkv_TYH, positions_T, self)
 
     def finish_args(self, positions_T) -> tuple:
         """(cos, sin, q-norm weight, k-norm weight, eps) for `pallas_kernels.finish_heads`."""
@@ -233,28 +233,28 @@ class Attention(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class ProjectedHeads:
-    """One layer's query, key and value heads straight out of `qkv_proj` ([T, N + 2K, H]), not
+    """One layer's query, key and value heads straight out of `qkv_proj` ([T, U + 2K, H]), not
     yet normed or rotated. The caller that owns the cache finishes them: `finish()` for dense
     attention; `steps.attend_paged` writes keys and values to a paged cache as well, through
     `kernels.finish_heads` (one Pallas kernel on a GPU instead of ~7 small XLA kernels)."""
 
-    qkv_TXH: jax.Array
+    qkv_TYH: jax.Array
     positions_T: jax.Array
     attention: Attention
 
     def finish(self):
-        """(queries [T, N, H], keys [T, K, H], values [T, K, H]), normed and rotated (each
+        """(queries [T, U, H], keys [T, K, H], values [T, K, H]), normed and rotated (each
         shard's heads finished on their own, then laid side by side)."""
         attention, shards = self.attention, self.attention.shards
         args = attention.finish_args(self.positions_T)
-        num_tokens, _, head_dim = self.qkv_TXH.shape
-        qkv_TGYH = self.qkv_TXH.reshape(num_tokens, shards, -1, head_dim)
+        num_tokens, _, head_dim = self.qkv_TYH.shape
+        qkv_TsYH = self.qkv_TYH.reshape(num_tokens, shards, -1, head_dim)  # s: shards, Y: a shard's heads
         finish = functools.partial(finish_qkv_reference, num_heads=attention.cfg.num_heads // shards)
-        heads = jax.vmap(lambda qkv_TYH: finish(qkv_TYH, *args), in_axes=1, out_axes=1)(qkv_TGYH)
+        heads = jax.vmap(lambda qkv_TYH: finish(qkv_TYH, *args), in_axes=1, out_axes=1)(qkv_TsYH)
         return tuple(x.reshape(num_tokens, -1, head_dim) for x in heads)
 
 
-# attend(layer_idx, heads) -> attention output [T, N, H]
+# attend(layer_idx, heads) -> attention output [T, U, H]
 AttendFn = Callable[[int, ProjectedHeads], jax.Array]
 
 
@@ -278,19 +278,19 @@ class DecoderLayer(nnx.Module):
         The layer's output x' + delta' is left for the norm that reads it next to sum (the
         next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
-        a_TNH = attend(self.self_attn.project(h_TD, positions_T))
+        a_TUH = attend(self.self_attn.project(h_TD, positions_T))
         x_TD, h_TD = self.post_attention_layernorm.add_norm(
-            x_TD, self.self_attn.o_proj(a_TNH.reshape(x_TD.shape[0], -1)), kernels)
+            x_TD, self.self_attn.o_proj(a_TUH.reshape(x_TD.shape[0], -1)), kernels)
         return x_TD, self.mlp(h_TD)
 
 
 def rope_table(positions_T, rope: RopeConfig, head_dim: int):
-    """(cos, sin) [T, head_dim / 2] float32 of `positions_T`'s angles, times the rope scale."""
+    """(cos, sin) [T, Z] (Z = head_dim / 2) float32 of `positions_T`'s angles, times the rope scale."""
     inv_freq, scale = rope_frequencies(rope, head_dim)
-    angles_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    return jnp.cos(angles_TF) * scale, jnp.sin(angles_TF) * scale
+    angles_TZ = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles_TZ) * scale, jnp.sin(angles_TZ) * scale
 
 
-def apply_rope(x_TNH, positions_T, rope: RopeConfig):
-    """Rotate `x_TNH` ([tokens, heads, head_dim]) by the angles of `positions_T` (neox style)."""
-    return rotate(x_TNH, *rope_table(positions_T, rope, x_TNH.shape[-1]))
+def apply_rope(x_TUH, positions_T, rope: RopeConfig):
+    """Rotate `x_TUH` ([tokens, heads, head_dim]) by the angles of `positions_T` (neox style)."""
+    return rotate(x_TUH, *rope_table(positions_T, rope, x_TUH.shape[-1]))

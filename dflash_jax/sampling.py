@@ -1,7 +1,7 @@
 """Sampling and speculative verification as pure, jittable JAX functions.
 
-Shapes: R requests, N draft tokens per request, S = 1 + N verify rows, V vocab. Sampling
-parameters are per-request arrays, so one batch mixes greedy and sampled requests; a
+Shape letters as in docs/ARCHITECTURE.md (R requests, N drafts, Q = 1 + N verify rows, V vocab).
+Sampling parameters are per-request arrays, so one batch mixes greedy and sampled requests; a
 temperature of 0 means greedy, `top_k` 0 and `top_p` 1.0 mean off. The processed
 distribution follows the z-lab reference (`dflash.model._sampling_probs`): logits /
 temperature, keep the `top_k` largest, softmax, then keep tokens while the probability mass
@@ -101,7 +101,7 @@ def _holds_bool(x) -> bool:
 
 
 def _per_row(param, logits) -> jax.Array:
-    """Broadcast a per-request parameter [R] (or [R, S]) over logits [R, ..., V] minus V."""
+    """Broadcast a per-request parameter [R] (or [R, Q]) over logits [R, ..., V] minus V."""
     param = jnp.asarray(param)
     param = param.reshape(param.shape + (1,) * (logits.ndim - 1 - param.ndim))
     return jnp.broadcast_to(param, logits.shape[:-1])
@@ -225,7 +225,7 @@ def scaled_logits(logits, temperature) -> jax.Array:
 def processed_probs(logits, temperature, top_k, top_p) -> jax.Array:
     """The target's (or drafter's) sampling distribution, float32, same shape as `logits`.
 
-    logits [R, V] or [R, S, V]; temperature, top_k, top_p [R] (broadcast over S) or the
+    logits [R, V] or [R, Q, V]; temperature, top_k, top_p [R] (broadcast over Q) or the
     full leading shape. Greedy rows give a one-hot at argmax. The ranking behind
     top-k/top-p runs only when some row uses them, over TOP_K_FAST candidates when that
     suffices, else by thresholds without a sort; a row's result is the same on every path
@@ -335,7 +335,7 @@ def _leading_true(mask_RN) -> jax.Array:
 
 
 def rejection_sample(
-    target_logits_RSV,
+    target_logits_RQV,
     draft_tokens_RN,
     draft_probs_RNV,
     num_drafts_R,
@@ -348,7 +348,7 @@ def rejection_sample(
     greedy: bool = False,
     argmax_drafts: bool = False,
 ):
-    """Speculative verification: (tokens_RS int32, num_accepted_R int32).
+    """Speculative verification: (tokens_RQ int32, num_accepted_R int32).
 
     Positions: `positions_R` is the anchor's position (verify row 0). Verify row k sits at
     positions_R + k and its logits give p for the token at positions_R + k + 1. Draft j
@@ -361,7 +361,7 @@ def rejection_sample(
     token comes from verify row a, keyed (TARGET_STREAM, positions_R + a): from
     normalize(max(p - q, 0)) if draft a was rejected (p if that is all zero), else from p
     (the bonus). Greedy rows (temperature 0) accept drafts equal to the target argmax and
-    take the argmax at row a. tokens_RS[r, :a+1] = accepted drafts then that token; the
+    take the argmax at row a. tokens_RQ[r, :a+1] = accepted drafts then that token; the
     rest is -1.
 
     Example, one request, N = 3, anchor t0 at position 10, drafts [x0, x1, x2] at 11..13:
@@ -377,10 +377,10 @@ def rejection_sample(
     `draft_probs_RNV` is not read (pass None). Then min(1, p(x)/q(x)) = p(x) and max(p - q, 0)
     is p without the rejected draft: the same tokens as passing q = one_hot(drafts).
     """
-    target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R = (
-        jnp.asarray(x) for x in (target_logits_RSV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R)
+    target_logits_RQV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R = (
+        jnp.asarray(x) for x in (target_logits_RQV, draft_tokens_RN, num_drafts_R, temperature_R, seeds_R, positions_R)
     )
-    num_rows, num_verify, vocab = target_logits_RSV.shape
+    num_rows, num_verify, vocab = target_logits_RQV.shape
     n = num_verify - 1
     draft_probs_RNV = None if draft_probs_RNV is None else jnp.asarray(draft_probs_RNV)
     probs_shape = None if draft_probs_RNV is None else draft_probs_RNV.shape
@@ -388,21 +388,21 @@ def rejection_sample(
     if n < 1 or draft_tokens_RN.shape != (num_rows, n) or (probs_shape != (num_rows, n, vocab) and needs_q):
         raise ValueError(
             f"rejection_sample needs target logits [R, N+1, V] with N >= 1, draft tokens [R, N] and "
-            f"draft probs [R, N, V]; got {target_logits_RSV.shape}, {draft_tokens_RN.shape}, {probs_shape}."
+            f"draft probs [R, N, V]; got {target_logits_RQV.shape}, {draft_tokens_RN.shape}, {probs_shape}."
         )
     rows_R = jnp.arange(num_rows)
     greedy_R = temperature_R == 0
-    argmax_RS = jnp.argmax(target_logits_RSV, axis=-1).astype(jnp.int32)
+    argmax_RQ = jnp.argmax(target_logits_RQV, axis=-1).astype(jnp.int32)
     valid_RN = jnp.arange(n) < num_drafts_R[:, None]
-    greedy_accept_RN = draft_tokens_RN == argmax_RS[:, :n]
+    greedy_accept_RN = draft_tokens_RN == argmax_RQ[:, :n]
 
     def greedy_only():
         accepted_R = _leading_true(greedy_accept_RN & valid_RN)
-        return accepted_R, argmax_RS[rows_R, accepted_R]
+        return accepted_R, argmax_RQ[rows_R, accepted_R]
 
     def general():
-        p_RSV = processed_probs(target_logits_RSV, temperature_R, top_k_R, top_p_R)
-        p_draft_RN = jnp.take_along_axis(p_RSV[:, :n], draft_tokens_RN[..., None], axis=-1)[..., 0]
+        p_RQV = processed_probs(target_logits_RQV, temperature_R, top_k_R, top_p_R)
+        p_draft_RN = jnp.take_along_axis(p_RQV[:, :n], draft_tokens_RN[..., None], axis=-1)[..., 0]
         if argmax_drafts:
             q_draft_RN = jnp.ones(draft_tokens_RN.shape, jnp.float32)
         else:
@@ -412,7 +412,7 @@ def rejection_sample(
         accept_RN = jnp.where(greedy_R[:, None], greedy_accept_RN, u_RN * q_draft_RN < p_draft_RN)
         accepted_R = _leading_true(accept_RN & valid_RN)
 
-        p_RV = p_RSV[rows_R, accepted_R]
+        p_RV = p_RQV[rows_R, accepted_R]
         rejected_at_R = jnp.minimum(accepted_R, n - 1)
         if argmax_drafts:
             rejected_RV = jnp.arange(vocab) == draft_tokens_RN[rows_R, rejected_at_R][:, None]
@@ -422,15 +422,15 @@ def rejection_sample(
         use_residual_R = (accepted_R < num_drafts_R) & (residual_RV.sum(-1) > 0)
         weights_RV = jnp.where(use_residual_R[:, None], residual_RV, p_RV)
         sampled_R = sample_tokens(weights_RV, seeds_R, positions_R + accepted_R, TARGET_STREAM)
-        return accepted_R, jnp.where(greedy_R, argmax_RS[rows_R, accepted_R], sampled_R)
+        return accepted_R, jnp.where(greedy_R, argmax_RQ[rows_R, accepted_R], sampled_R)
 
     if greedy:
         accepted_R, next_R = greedy_only()
     else:
         accepted_R, next_R = lax.cond(jnp.all(greedy_R), greedy_only, general)
-    k_S = jnp.arange(num_verify)
-    drafts_RS = jnp.pad(draft_tokens_RN.astype(jnp.int32), ((0, 0), (0, 1)))
-    tokens_RS = jnp.where(
-        k_S < accepted_R[:, None], drafts_RS, jnp.where(k_S == accepted_R[:, None], next_R[:, None], -1)
+    k_Q = jnp.arange(num_verify)
+    drafts_RQ = jnp.pad(draft_tokens_RN.astype(jnp.int32), ((0, 0), (0, 1)))
+    tokens_RQ = jnp.where(
+        k_Q < accepted_R[:, None], drafts_RQ, jnp.where(k_Q == accepted_R[:, None], next_R[:, None], -1)
     )
-    return tokens_RS, accepted_R.astype(jnp.int32)
+    return tokens_RQ, accepted_R.astype(jnp.int32)

@@ -17,14 +17,14 @@ from dflash_jax.kv_cache import NULL_PAGE
 from dflash_jax.scheduler import Work
 from dflash_jax.steps import TargetBatch
 
-# (name, shape in letters, padding value). T tokens, R rows, Q verify rows per request,
-# M pages per request, X stop ids per row; W{i}: windowed drafter cache group i's page table.
+# (name, shape in letters as in docs/ARCHITECTURE.md, padding value); window_table_{i}: the
+# page table of windowed drafter cache group i.
 INT_FIELDS = (
     ("tokens", "T", 0),
     ("positions", "T", 0),
     ("rows", "T", 0),  # batch row of each token (0 for padding)
     ("query_start_loc", "R+1", 0),
-    ("page_table", "RM", NULL_PAGE),
+    ("page_table", "RP", NULL_PAGE),
     ("verify_rows", "RQ", 0),  # target rows whose logits verify (a prefill row: its last, repeated)
     ("slot", "R", None),  # request slot (max_num_reqs for padding rows: writes dropped)
     ("anchor_pos", "R", 0),  # a prefill row's last position (verifying rows: from the state)
@@ -32,7 +32,7 @@ INT_FIELDS = (
     ("verifying", "R", 0),  # 1: anchor + drafts from the state, 0: a prefill chunk
     ("samples", "R", 0),  # 1 if the row commits a token this step, 0 mid-prefill or padding
     ("next_prefill", "R", 0),  # the next prompt token of a row mid-prefill
-    ("stop_ids", "RX", -1),
+    ("stop_ids", "RE", -1),
     ("top_k", "R", 0),
     ("seeds", "R", 0),
 )
@@ -45,9 +45,9 @@ class StepInputs:
 
     def __init__(self, *, num_rows: int, num_tokens: int, num_query: int, pages_per_req: int, max_num_reqs: int,
                  num_window_groups: int, max_stop_ids: int):
-        sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "M": pages_per_req,
-                 "X": max_stop_ids}
-        int_fields = list(INT_FIELDS) + [(f"window_table_{i}", "RM", NULL_PAGE) for i in range(num_window_groups)]
+        sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "P": pages_per_req,
+                 "E": max_stop_ids}
+        int_fields = list(INT_FIELDS) + [(f"window_table_{i}", "RP", NULL_PAGE) for i in range(num_window_groups)]
         self.ints, int_layout = self._buffer(int_fields, sizes, np.int32, pad_slot=max_num_reqs)
         self.floats, float_layout = self._buffer(FLOAT_FIELDS, sizes, np.float32, pad_slot=max_num_reqs)
         self.layout = (int_layout, float_layout)
@@ -120,7 +120,7 @@ def unpack(ints, floats, layout) -> tuple[CycleBatch, object]:
     batch = CycleBatch(
         target=target, draft_page_tables=(f["page_table"], *window_tables), slots_R=f["slot"],
         verify_rows_RQ=f["verify_rows"], anchor_pos_R=f["anchor_pos"], verifying_R=f["verifying"] != 0,
-        remaining_R=f["samples"], next_prefill_tokens_R=f["next_prefill"], stop_ids_RX=f["stop_ids"],
+        remaining_R=f["samples"], next_prefill_tokens_R=f["next_prefill"], stop_ids_RE=f["stop_ids"],
         sampling=SamplingRows(temperature_R=f["temperature"], top_k_R=f["top_k"], top_p_R=f["top_p"],
                               seeds_R=f["seeds"]),
     )

@@ -45,20 +45,20 @@ class TargetBatch:
     slots: jax.Array  # [T] KV slot, PAD_SLOT for padding
     query_start_loc: jax.Array  # [R + 1]
     page_table: jax.Array  # [R, pages_per_req]
-    logits_rows: jax.Array  # [S] token rows whose logits are wanted
+    logits_rows: jax.Array  # [R * Q] token rows whose logits are wanted
 
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
                 kernels: Kernels):
-    """(cache, logits [S, V] float32, features [T, len(layer_ids) * D]) for one batch, with
+    """(cache, logits [R * Q, V] float32, features [T, F]) for one batch, with
     the (resolved) `kernels`."""
     seq_lens_R = _seq_lens(batch)
 
     def attend(layer, heads):
         nonlocal cache
-        out_TNH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
+        out_TUH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
                                       page_table=batch.page_table, seq_lens_R=seq_lens_R, rule=CAUSAL)
-        return out_TNH
+        return out_TUH
 
     with jax.named_scope("target"):
         hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids, kernels=kernels)
@@ -68,30 +68,30 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
 
 def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, kernels: Kernels, *, slots_T,
                  q_rows_T, page_table, seq_lens_R, rule) -> tuple[jax.Array, PagedKVCache]:
-    """(attention output [T, N, H], cache): one layer's projected heads finished (q/k norm,
+    """(attention output [T, U, H], cache): one layer's projected heads finished (q/k norm,
     RoPE), their keys and values written to `slots_T` of `cache`'s `layer`, then paged
     attention of the queries (batch row `q_rows_T`) under the mask `rule`. On a mesh this runs
     once per shard (`sharding.per_shard`), on the shard's query and kv heads."""
     attention = heads.attention
-    cos_TF, sin_TF, q_weight_H, k_weight_H, eps = attention.finish_args(heads.positions_T)
+    cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps = attention.finish_args(heads.positions_T)
     num_heads, group = attention.cfg.num_heads // attention.shards, attention.cfg.num_heads // attention.cfg.num_kv_heads
-    shared = (slots_T, cos_TF, sin_TF, q_weight_H, k_weight_H, heads.positions_T, q_rows_T, page_table, seq_lens_R)
+    shared = (slots_T, cos_TZ, sin_TZ, q_weight_H, k_weight_H, heads.positions_T, q_rows_T, page_table, seq_lens_R)
 
-    def local(qkv_TXH, k_SKH, v_SKH, shared):
-        slots_T, cos_TF, sin_TF, q_weight_H, k_weight_H, positions_T, q_rows_T, page_table, seq_lens_R = shared
-        q_TNH, k_SKH, v_SKH = kernels.finish_heads(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, slots_T,
-                                                   k_SKH, v_SKH, num_heads=num_heads)
+    def local(qkv_TYH, k_XKH, v_XKH, shared):
+        slots_T, cos_TZ, sin_TZ, q_weight_H, k_weight_H, positions_T, q_rows_T, page_table, seq_lens_R = shared
+        q_TUH, k_XKH, v_XKH = kernels.finish_heads(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T,
+                                                   k_XKH, v_XKH, num_heads=num_heads)
         paged_attention = kernels.paged_attention(q_rows_T, num_rows=page_table.shape[0], group=group,
-                                                  dtype=q_TNH.dtype)
-        out_TNH = paged_attention(q_TNH, positions_T, q_rows_T, k_SKH, v_SKH, page_table, seq_lens_R,
+                                                  dtype=q_TUH.dtype)
+        out_TUH = paged_attention(q_TUH, positions_T, q_rows_T, k_XKH, v_XKH, page_table, seq_lens_R,
                                   page_size=cache.page_size, rule=rule)
-        return out_TNH, k_SKH, v_SKH
+        return out_TUH, k_XKH, v_XKH
 
-    out_TNH, k_SKH, v_SKH = per_shard(mesh, local, 3)(heads.qkv_TXH, cache.k[layer], cache.v[layer], shared)
-    return out_TNH, cache.with_layer(layer, k_SKH, v_SKH)
+    out_TUH, k_XKH, v_XKH = per_shard(mesh, local, 3)(heads.qkv_TYH, cache.k[layer], cache.v[layer], shared)
+    return out_TUH, cache.with_layer(layer, k_XKH, v_XKH)
 
 
-def block_batch(tokens_RQ, start_R, page_table_RM, page_size: int) -> TargetBatch:
+def block_batch(tokens_RQ, start_R, page_table_RP, page_size: int) -> TargetBatch:
     """R requests of Q consecutive tokens each (a verify block, or one decode token), row r
     at positions start_R[r] .. start_R[r] + Q - 1 through its block-table row; logits are
     wanted at every token. E.g. Q = 3, start_R = [7, 2]: positions [7, 8, 9, 2, 3, 4]."""
@@ -101,9 +101,9 @@ def block_batch(tokens_RQ, start_R, page_table_RM, page_size: int) -> TargetBatc
         token_ids=tokens_RQ.reshape(-1),
         positions=positions_RQ.reshape(-1),
         rows=jnp.repeat(jnp.arange(num_reqs, dtype=jnp.int32), num_query),
-        slots=slots_of(page_table_RM, positions_RQ, page_size).reshape(-1),
+        slots=slots_of(page_table_RP, positions_RQ, page_size).reshape(-1),
         query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32) * num_query,
-        page_table=page_table_RM,
+        page_table=page_table_RP,
         logits_rows=jnp.arange(num_reqs * num_query, dtype=jnp.int32),
     )
 
@@ -192,9 +192,9 @@ def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], feat
     written to each layer's group cache at the layout's context slots."""
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
-    for layer, (k_SKH, v_SKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions)):
+    for layer, (k_TKH, v_TKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions)):
         group, index = groups.group_of(layer)
-        caches[group] = caches[group].write(index, layouts[group].context_slot_mapping, k_SKH, v_SKH)
+        caches[group] = caches[group].write(index, layouts[group].context_slot_mapping, k_TKH, v_TKH)
     return tuple(caches)
 
 
@@ -210,15 +210,15 @@ def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: 
 
     def attend(layer, heads):
         group, index = groups.group_of(layer)
-        out_TNH, caches[group] = attend_paged(
+        out_TUH, caches[group] = attend_paged(
             drafter.mesh, caches[group], index, heads, kernels, slots_T=layouts[group].query_slot_mapping,
             q_rows_T=query_rows, page_table=page_tables[group], seq_lens_R=layout.seq_lens,
             rule=drafter.cfg.layers[layer])
-        return out_TNH
+        return out_TUH
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
-    hidden_QD = drafter(block_embeds, layout.query_positions, attend, kernels)
-    hidden_RMD = hidden_QD[layout.sample_indices].reshape(num_rows, draft_block_size - 1, -1)
-    hidden_ND = hidden_RMD[:, :num_drafts].reshape(num_rows * num_drafts, -1)  # unverified: no head
-    logits = drafter.logits(target.unembed, hidden_ND.astype(target.dtype))
+    hidden_TD = drafter(block_embeds, layout.query_positions, attend, kernels)
+    # The drafter's B - 1 drafts per request; only the first N are verified (the rest get no head).
+    hidden_RND = hidden_TD[layout.sample_indices].reshape(num_rows, draft_block_size - 1, -1)[:, :num_drafts]
+    logits = drafter.logits(target.unembed, hidden_RND.reshape(num_rows * num_drafts, -1).astype(target.dtype))
     return tuple(caches), logits.reshape(num_rows, num_drafts, -1)

@@ -19,16 +19,16 @@ class LayerAttention:
 CAUSAL = LayerAttention(causal=True)
 
 
-def position_mask(q_positions_T, k_positions_S, rule: LayerAttention):
-    """bool [T, S]: may the query at each position see the key at each position.
+def position_mask(q_positions_T, k_positions_L, rule: LayerAttention):
+    """bool [T, L]: may the query at each position see the key at each position.
 
     causal: key position <= query position. window W: query - key < W, and for a non-causal
     windowed layer also key - query < W. E.g. queries at [5, 6], keys at [3, 4, 5, 6], causal
     with W = 2: row 5 sees [4, 5]; row 6 sees [5, 6].
     """
     q = q_positions_T[:, None]
-    k = k_positions_S[None, :]
-    visible = jnp.ones((q_positions_T.shape[0], k_positions_S.shape[0]), dtype=bool)
+    k = k_positions_L[None, :]
+    visible = jnp.ones((q_positions_T.shape[0], k_positions_L.shape[0]), dtype=bool)
     if rule.causal:
         visible &= k <= q
     if rule.window is not None:

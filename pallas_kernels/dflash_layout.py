@@ -8,14 +8,14 @@ drafter needs, in one launch and with no host sync:
 * context rows (one per target row): the position and KV slot at which the drafter
   stores that row's context K/V; rejected rows, rows on the null page and rows outside
   the batch get position 0 and the pad slot, so they write nothing;
-* query rows (exactly Q = 1 + N per request, at ``r * Q + k``): the block's token ids
+* query rows (exactly B = 1 + N per request, at ``r * B + k``): the block's token ids
   (the bonus token, then N mask tokens), positions and KV slots;
 * sample rows (N per request, at ``r * N + k - 1`` for k >= 1): which query row to
   sample, at which position, for which request state;
 * per-request ``query_start_loc`` / ``seq_lens`` and the sampling state, padded out to
   the static sizes so padded rows are inert.
 
-Worked example (page 4, no context parallelism, N = 2 so Q = 3, pad slot -1)::
+Worked example (page 4, no context parallelism, N = 2 so B = 3, pad slot -1)::
 
     target_query_start_loc = [0, 3, 8]       # request 0: 3 verify rows; 1: a 5-row prefill chunk
     target_positions       = [9, 10, 11,  0, 1, 2, 3, 4]
@@ -76,12 +76,12 @@ _MIN_PROGRAMS_PER_REQ = 4
     "sample_pos", "sample_idx_mapping", "temperature", "seeds"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DFlashLayout:
-    """The draft step's inputs. Q = 1 + N query rows per request, T target rows."""
+    """The draft step's inputs. B = 1 + N query rows per request, T target rows."""
 
     input_ids: jax.Array             # [max_num_tokens] bonus token, then N mask tokens
     query_positions: jax.Array       # [max_num_tokens] clamped to max_model_len - 1
-    query_slot_mapping: jax.Array    # [max_num_tokens] pad slot past num_reqs * Q
-    query_start_loc: jax.Array       # [max_num_reqs + 1] r * Q, then num_reqs * Q
+    query_slot_mapping: jax.Array    # [max_num_tokens] pad slot past num_reqs * B
+    query_start_loc: jax.Array       # [max_num_reqs + 1] r * B, then num_reqs * B
     seq_lens: jax.Array              # [max_num_reqs] context + query length, then 0
     context_positions: jax.Array     # [T] 0 for rejected / null-page / outside rows
     context_slot_mapping: jax.Array  # [T] pad slot for those rows
@@ -110,7 +110,7 @@ class _Config:
     pad_slot_id: int
 
     @property
-    def query_len(self):   # Q
+    def query_len(self):   # B
         return self.num_steps + 1
 
     @property
@@ -158,7 +158,7 @@ def _reference_layout(cfg, positions, start_loc, idx_mapping, last_sampled,
                       next_prefill_tokens, num_sampled, num_rejected, temperature, seeds,
                       block_table, cp_rank):
     """Every row at once: find each target row's request with a search over the ends."""
-    T, R, Q, N = cfg.num_target_rows, cfg.num_reqs, cfg.query_len, cfg.num_steps
+    T, R, B, N = cfg.num_target_rows, cfg.num_reqs, cfg.query_len, cfg.num_steps
     pad = cfg.pad_slot_id
     start_loc = jnp.clip(start_loc, 0, T)
     end_R = start_loc[1:]
@@ -178,31 +178,31 @@ def _reference_layout(cfg, positions, start_loc, idx_mapping, last_sampled,
     ctx_pos_T = jnp.where(resident_T, pos_T, 0)
     ctx_slot_T = jnp.where(resident_T, cp_local_slot(pos_T, block_T, cp_rank, cfg), pad)
 
-    # Query rows: Q per request, positions after the last valid context row.
-    k_Q = jnp.arange(Q, dtype=jnp.int32)
-    q_pos_RQ = last_valid_pos_R[:, None] + 1 + k_Q
-    q_block_RQ = block_table[jnp.arange(R)[:, None], _page_index(q_pos_RQ, cfg)]
-    q_slot_RQ = jnp.where(q_block_RQ != 0, cp_local_slot(q_pos_RQ, q_block_RQ, cp_rank, cfg),
+    # Query rows: B per request, positions after the last valid context row.
+    k_B = jnp.arange(B, dtype=jnp.int32)
+    q_pos_RB = last_valid_pos_R[:, None] + 1 + k_B
+    q_block_RB = block_table[jnp.arange(R)[:, None], _page_index(q_pos_RB, cfg)]
+    q_slot_RB = jnp.where(q_block_RB != 0, cp_local_slot(q_pos_RB, q_block_RB, cp_rank, cfg),
                           pad)
     bonus_R = jnp.where(num_sampled > 0, last_sampled[state_R], next_prefill_tokens[state_R])
-    ids_RQ = jnp.where(k_Q == 0, bonus_R[:, None], cfg.token_id)
+    ids_RB = jnp.where(k_B == 0, bonus_R[:, None], cfg.token_id)
 
-    query_pad = cfg.max_num_tokens - R * Q
-    input_ids = jnp.pad(ids_RQ.reshape(-1), (0, query_pad))
-    query_positions = jnp.pad(jnp.minimum(q_pos_RQ, cfg.max_model_len - 1).reshape(-1),
+    query_pad = cfg.max_num_tokens - R * B
+    input_ids = jnp.pad(ids_RB.reshape(-1), (0, query_pad))
+    query_positions = jnp.pad(jnp.minimum(q_pos_RB, cfg.max_model_len - 1).reshape(-1),
                               (0, query_pad))
-    query_slot_mapping = jnp.pad(q_slot_RQ.reshape(-1), (0, query_pad), constant_values=pad)
+    query_slot_mapping = jnp.pad(q_slot_RB.reshape(-1), (0, query_pad), constant_values=pad)
 
     sample_pad = (cfg.max_num_reqs - R) * N
-    sample_rows_RN = jnp.arange(R, dtype=jnp.int32)[:, None] * Q + k_Q[1:]
+    sample_rows_RN = jnp.arange(R, dtype=jnp.int32)[:, None] * B + k_B[1:]
     sample_indices = jnp.pad(sample_rows_RN.reshape(-1), (0, sample_pad))
-    sample_pos = jnp.pad(q_pos_RQ[:, 1:].reshape(-1), (0, sample_pad))
+    sample_pos = jnp.pad(q_pos_RB[:, 1:].reshape(-1), (0, sample_pad))
     sample_idx_mapping = jnp.pad(jnp.repeat(idx_mapping, N), (0, sample_pad),
                                  constant_values=-1)
 
     req_slots = jnp.arange(cfg.max_num_reqs + 1, dtype=jnp.int32)
-    query_start_loc = jnp.minimum(req_slots, R) * Q
-    seq_lens = jnp.pad(jnp.minimum(last_valid_pos_R + 1 + Q, cfg.max_model_len),
+    query_start_loc = jnp.minimum(req_slots, R) * B
+    seq_lens = jnp.pad(jnp.minimum(last_valid_pos_R + 1 + B, cfg.max_model_len),
                        (0, cfg.max_num_reqs - R))
     in_batch = jnp.zeros(cfg.max_num_reqs, bool).at[idx_mapping].set(True, mode="drop")
     return DFlashLayout(
@@ -229,11 +229,11 @@ def _layout_kernel(cfg, positions_ref, start_loc_ref, idx_mapping_ref, last_samp
 
     Each output element has exactly one writer, so programs need no ordering. Request
     program b handles context row blocks b, b + G, ... of its request (G programs per
-    request); b = 0 also writes the request's Q query rows, N sample rows and scalars.
+    request); b = 0 also writes the request's B query rows, N sample rows and scalars.
     Contiguous rows are read and written through ``pl.ds`` windows with masks; masked
     lanes past an array's end are never touched on the GPU, and interpret mode pads.
     """
-    T, R, Q, N = cfg.num_target_rows, cfg.num_reqs, cfg.query_len, cfg.num_steps
+    T, R, B, N = cfg.num_target_rows, cfg.num_reqs, cfg.query_len, cfg.num_steps
     G, BLOCK, QB = cfg.programs_per_req, cfg.row_block, cfg.query_block
     pad = cfg.pad_slot_id
     r = pl.program_id(0)
@@ -274,27 +274,27 @@ def _layout_kernel(cfg, positions_ref, start_loc_ref, idx_mapping_ref, last_samp
         def _query_rows():
             state = jnp.clip(idx_mapping_ref[r], 0, cfg.max_num_reqs - 1)
             k = lax.iota(jnp.int32, QB)
-            is_query = k < Q
+            is_query = k < B
             q_pos = last_valid_pos + 1 + k
             block = block_id(r, q_pos, is_query)
             slot = jnp.where(block != 0, cp_local_slot(q_pos, block, cp_rank, cfg), pad)
             bonus = jnp.where(num_sampled_ref[r] > 0, last_sampled_ref[state],
                               next_prefill_ref[state])
             ids = jnp.where(k == 0, bonus, cfg.token_id)
-            rows = pl.ds(r * Q, QB)
+            rows = pl.ds(r * B, QB)
             plgpu.store(input_ids_ref.at[rows], ids, mask=is_query)
             plgpu.store(query_pos_ref.at[rows], jnp.minimum(q_pos, cfg.max_model_len - 1),
                         mask=is_query)
             plgpu.store(query_slot_ref.at[rows], slot, mask=is_query)
-            # Sample row r * N + k samples query row r * Q + k + 1.
+            # Sample row r * N + k samples query row r * B + k + 1.
             is_sample = k < N
             samples = pl.ds(r * N, QB)
-            plgpu.store(sample_idx_ref.at[samples], r * Q + 1 + k, mask=is_sample)
+            plgpu.store(sample_idx_ref.at[samples], r * B + 1 + k, mask=is_sample)
             plgpu.store(sample_pos_ref.at[samples], q_pos + 1, mask=is_sample)
             plgpu.store(sample_map_ref.at[samples], jnp.full((QB,), idx_mapping_ref[r]),
                         mask=is_sample)
-            query_start_ref[r] = r * Q
-            seq_lens_ref[r] = jnp.minimum(last_valid_pos + 1 + Q, cfg.max_model_len)
+            query_start_ref[r] = r * B
+            seq_lens_ref[r] = jnp.minimum(last_valid_pos + 1 + B, cfg.max_model_len)
 
     @pl.when(r == R)
     def _padding():
@@ -328,7 +328,7 @@ def _layout_kernel(cfg, positions_ref, start_loc_ref, idx_mapping_ref, last_samp
 
         def query_starts(first, lanes, mask):
             plgpu.store(query_start_ref.at[pl.ds(first, _PAD_BLOCK)],
-                        jnp.full((_PAD_BLOCK,), R * Q, jnp.int32), mask=mask)
+                        jnp.full((_PAD_BLOCK,), R * B, jnp.int32), mask=mask)
 
         def seq_lens(first, lanes, mask):
             plgpu.store(seq_lens_ref.at[pl.ds(first, _PAD_BLOCK)],
@@ -365,7 +365,7 @@ def _layout_kernel(cfg, positions_ref, start_loc_ref, idx_mapping_ref, last_samp
                         jnp.where(in_batch, temperature, 0.0), mask=mask)
             plgpu.store(seeds_out_ref.at[window], jnp.where(in_batch, seed, 0), mask=mask)
 
-        fill(R * Q, cfg.max_num_tokens, _PAD_BLOCK, queries)
+        fill(R * B, cfg.max_num_tokens, _PAD_BLOCK, queries)
         fill(R * N, cfg.max_num_reqs * N, _PAD_BLOCK, samples)
         fill(R, cfg.max_num_reqs + 1, _PAD_BLOCK, query_starts)
         fill(R, cfg.max_num_reqs, _PAD_BLOCK, seq_lens)

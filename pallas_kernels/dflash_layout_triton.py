@@ -62,7 +62,7 @@ def layout_kernel(
         CP_INTERLEAVE: tl.constexpr, PAD_SLOT: tl.constexpr, G: tl.constexpr,
         BLOCK: tl.constexpr, QB: tl.constexpr, PAD_BLOCK: tl.constexpr,
         STATE_BLOCK: tl.constexpr, BATCH_BLOCK: tl.constexpr):
-    Q: tl.constexpr = N + 1
+    B: tl.constexpr = N + 1
     r = tl.program_id(0)
     b = tl.program_id(1)
     cp_rank = tl.load(cp_rank_ptr)
@@ -91,7 +91,7 @@ def layout_kernel(
             batch_state = tl.load(idx_mapping_ptr + r)
             state = tl.minimum(tl.maximum(batch_state, 0), MAX_REQS - 1)
             k = tl.arange(0, QB)
-            is_query = k < Q
+            is_query = k < B
             q_pos = last_valid_pos + 1 + k
             block = _block_id(block_table_ptr, r, q_pos, is_query, W, PAGE, CP_SIZE)
             slot = _slot(q_pos, block, is_query, cp_rank, PAGE, CP_SIZE, CP_INTERLEAVE,
@@ -100,24 +100,24 @@ def layout_kernel(
                              tl.load(last_sampled_ptr + state),
                              tl.load(next_prefill_ptr + state))
             ids = tl.where(k == 0, bonus, TOKEN_ID)
-            tl.store(input_ids_ptr + r * Q + k, ids, mask=is_query)
-            tl.store(query_pos_ptr + r * Q + k, tl.minimum(q_pos, MAX_LEN - 1), mask=is_query)
-            tl.store(query_slot_ptr + r * Q + k, slot, mask=is_query)
+            tl.store(input_ids_ptr + r * B + k, ids, mask=is_query)
+            tl.store(query_pos_ptr + r * B + k, tl.minimum(q_pos, MAX_LEN - 1), mask=is_query)
+            tl.store(query_slot_ptr + r * B + k, slot, mask=is_query)
             is_sample = k < N
-            tl.store(sample_idx_ptr + r * N + k, r * Q + 1 + k, mask=is_sample)
+            tl.store(sample_idx_ptr + r * N + k, r * B + 1 + k, mask=is_sample)
             tl.store(sample_pos_ptr + r * N + k, q_pos + 1, mask=is_sample)
             tl.store(sample_map_ptr + r * N + k, tl.zeros((QB,), tl.int32) + batch_state,
                      mask=is_sample)
-            tl.store(query_start_ptr + r, r * Q)
-            tl.store(seq_lens_ptr + r, tl.minimum(last_valid_pos + 1 + Q, MAX_LEN))
+            tl.store(query_start_ptr + r, r * B)
+            tl.store(seq_lens_ptr + r, tl.minimum(last_valid_pos + 1 + B, MAX_LEN))
     else:
-        _fill(input_ids_ptr, R * Q, MAX_TOKENS, 0, b, G, PAD_BLOCK)
-        _fill(query_pos_ptr, R * Q, MAX_TOKENS, 0, b, G, PAD_BLOCK)
-        _fill(query_slot_ptr, R * Q, MAX_TOKENS, PAD_SLOT, b, G, PAD_BLOCK)
+        _fill(input_ids_ptr, R * B, MAX_TOKENS, 0, b, G, PAD_BLOCK)
+        _fill(query_pos_ptr, R * B, MAX_TOKENS, 0, b, G, PAD_BLOCK)
+        _fill(query_slot_ptr, R * B, MAX_TOKENS, PAD_SLOT, b, G, PAD_BLOCK)
         _fill(sample_idx_ptr, R * N, MAX_REQS * N, 0, b, G, PAD_BLOCK)
         _fill(sample_pos_ptr, R * N, MAX_REQS * N, 0, b, G, PAD_BLOCK)
         _fill(sample_map_ptr, R * N, MAX_REQS * N, -1, b, G, PAD_BLOCK)
-        _fill(query_start_ptr, R, MAX_REQS + 1, R * Q, b, G, PAD_BLOCK)
+        _fill(query_start_ptr, R, MAX_REQS + 1, R * B, b, G, PAD_BLOCK)
         _fill(seq_lens_ptr, R, MAX_REQS, 0, b, G, PAD_BLOCK)
 
         batch_begin = tl.minimum(tl.maximum(tl.load(start_loc_ptr), 0), T)

@@ -34,41 +34,41 @@ from pallas_kernels.common import next_pow2, quiet_triton_deprecation
 from pallas_kernels.rms_norm import add_rms_norm_reference
 
 
-def finish_qkv_reference(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, *, num_heads: int):
-    """(queries [T, N, H], keys [T, K, H], values [T, K, H]) from `qkv_TXH` [T, N + 2K, H]
+def finish_qkv_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, *, num_heads: int):
+    """(queries [T, U, H], keys [T, K, H], values [T, K, H]) from `qkv_TYH` [T, U + 2K, H]
     straight out of the projection: q/k normed (weights None: models without q/k norm) and
-    rotated by the float32 [T, H / 2] table `cos_TF`, `sin_TF`."""
-    n, k = num_heads, (qkv_TXH.shape[1] - num_heads) // 2
-    q_TNH, k_TKH, v_TKH = qkv_TXH[:, :n], qkv_TXH[:, n : n + k], qkv_TXH[:, n + k :]
+    rotated by the float32 [T, Z] (Z = H / 2) table `cos_TZ`, `sin_TZ`."""
+    n, k = num_heads, (qkv_TYH.shape[1] - num_heads) // 2
+    q_TUH, k_TKH, v_TKH = qkv_TYH[:, :n], qkv_TYH[:, n : n + k], qkv_TYH[:, n + k :]
     if q_weight_H is not None:
-        q_TNH = add_rms_norm_reference(q_TNH, None, q_weight_H, eps)[1]
+        q_TUH = add_rms_norm_reference(q_TUH, None, q_weight_H, eps)[1]
         k_TKH = add_rms_norm_reference(k_TKH, None, k_weight_H, eps)[1]
-    return rotate(q_TNH, cos_TF, sin_TF), rotate(k_TKH, cos_TF, sin_TF), v_TKH
+    return rotate(q_TUH, cos_TZ, sin_TZ), rotate(k_TKH, cos_TZ, sin_TZ), v_TKH
 
 
-def write_slots(cache_SKH, slots_T, rows_TKH):
+def write_slots(cache_XKH, slots_T, rows_TKH):
     """The cache with `rows_TKH` scattered to `slots_T`; slots < 0 (padding) write nothing."""
-    slots_T = jnp.where(slots_T < 0, cache_SKH.shape[0], slots_T)  # out of range -> dropped
-    return cache_SKH.at[slots_T].set(rows_TKH.astype(cache_SKH.dtype), mode="drop")
+    slots_T = jnp.where(slots_T < 0, cache_XKH.shape[0], slots_T)  # out of range -> dropped
+    return cache_XKH.at[slots_T].set(rows_TKH.astype(cache_XKH.dtype), mode="drop")
 
 
-def finish_heads_reference(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, slots_T, k_cache_SKH, v_cache_SKH,
+def finish_heads_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH, v_cache_XKH,
                            *, num_heads: int):
     """(queries, key cache, value cache): `finish_qkv_reference`, then keys and values written
     to their `slots_T` (< 0 writes nothing)."""
-    q_TNH, k_TKH, v_TKH = finish_qkv_reference(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps,
+    q_TUH, k_TKH, v_TKH = finish_qkv_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps,
                                                num_heads=num_heads)
-    return q_TNH, write_slots(k_cache_SKH, slots_T, k_TKH), write_slots(v_cache_SKH, slots_T, v_TKH)
+    return q_TUH, write_slots(k_cache_XKH, slots_T, k_TKH), write_slots(v_cache_XKH, slots_T, v_TKH)
 
 
-def rotate(x_TNH, cos_TF, sin_TF):
-    """Neox-style RoPE of `x_TNH` by a [T, H / 2] table: halves (a, b) -> (a cos - b sin,
+def rotate(x_TUH, cos_TZ, sin_TZ):
+    """Neox-style RoPE of `x_TUH` by a [T, Z] table: halves (a, b) -> (a cos - b sin,
     b cos + a sin), in float32, cast back."""
-    half = x_TNH.shape[-1] // 2
-    x = x_TNH.astype(jnp.float32)
+    half = x_TUH.shape[-1] // 2
+    x = x_TUH.astype(jnp.float32)
     a, b = x[..., :half], x[..., half:]
-    cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x_TNH.dtype)
+    cos, sin = cos_TZ[:, None, :], sin_TZ[:, None, :]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x_TUH.dtype)
 
 
 def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim, block_f, eps, qk_norm, sizes):
@@ -111,39 +111,39 @@ def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim,
         plgpu.store(cache_ref.at[jnp.where(store, row_at + half, sizes[1])], hi.astype(cache_ref.dtype), mask=store)
 
 
-def finish_heads_pallas(qkv_TXH, cos_TF, sin_TF, q_weight_H, k_weight_H, eps, slots_T, k_cache_SKH, v_cache_SKH,
+def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH, v_cache_XKH,
                         *, num_heads: int, interpret: bool | None = None):
     """`finish_heads_reference` (same arguments and results) as one kernel writing the caches
     in place (donate them, or keep them loop-carried, or XLA copies them first). interpret:
     None runs compiled on a GPU backend and in interpret mode elsewhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    num_tokens, num_all_heads, head_dim = qkv_TXH.shape
-    num_slots, num_kv_heads, _ = k_cache_SKH.shape
-    if num_all_heads != num_heads + 2 * num_kv_heads or head_dim % 2 or v_cache_SKH.shape != k_cache_SKH.shape:
-        raise ValueError(f"qkv {qkv_TXH.shape} does not fit {num_heads} query heads and caches {k_cache_SKH.shape} / "
-                         f"{v_cache_SKH.shape}: pass [T, N + 2K, H] heads with an even H and equal [S, K, H] caches.")
+    num_tokens, num_all_heads, head_dim = qkv_TYH.shape
+    num_slots, num_kv_heads, _ = k_cache_XKH.shape
+    if num_all_heads != num_heads + 2 * num_kv_heads or head_dim % 2 or v_cache_XKH.shape != k_cache_XKH.shape:
+        raise ValueError(f"qkv {qkv_TYH.shape} does not fit {num_heads} query heads and caches {k_cache_XKH.shape} / "
+                         f"{v_cache_XKH.shape}: pass [T, U + 2K, H] heads with an even H and equal [X, K, H] caches.")
     if (q_weight_H is None) != (k_weight_H is None):
         raise ValueError("pass both q/k norm weights (Qwen3) or neither (Llama).")
     qk_norm = q_weight_H is not None
     eps = float(eps)  # a Python number: a traced one would be a constant the kernel captures
     if not interpret:
         quiet_triton_deprecation()
-    q_size, cache_size = num_tokens * num_heads * head_dim, k_cache_SKH.size
+    q_size, cache_size = num_tokens * num_heads * head_dim, k_cache_XKH.size
     weights = (q_weight_H, k_weight_H) if qk_norm else ()
-    inputs = (qkv_TXH.reshape(-1), cos_TF.reshape(-1), sin_TF.reshape(-1), *weights, slots_T.astype(jnp.int32),
-              k_cache_SKH.reshape(-1), v_cache_SKH.reshape(-1))
-    q_dtype = jnp.result_type(qkv_TXH.dtype, *(w.dtype for w in weights))
+    inputs = (qkv_TYH.reshape(-1), cos_TZ.reshape(-1), sin_TZ.reshape(-1), *weights, slots_T.astype(jnp.int32),
+              k_cache_XKH.reshape(-1), v_cache_XKH.reshape(-1))
+    q_dtype = jnp.result_type(qkv_TYH.dtype, *(w.dtype for w in weights))
     q, k_cache, v_cache = pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           block_f=next_pow2(head_dim // 2), eps=eps, qk_norm=qk_norm, sizes=(q_size, cache_size)),
-        out_shape=[jax.ShapeDtypeStruct((q_size,), q_dtype), jax.ShapeDtypeStruct((cache_size,), k_cache_SKH.dtype),
-                   jax.ShapeDtypeStruct((cache_size,), v_cache_SKH.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((q_size,), q_dtype), jax.ShapeDtypeStruct((cache_size,), k_cache_XKH.dtype),
+                   jax.ShapeDtypeStruct((cache_size,), v_cache_XKH.dtype)],
         grid=(num_tokens, num_all_heads),
         input_output_aliases={len(inputs) - 2: 1, len(inputs) - 1: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         name="finish_heads",
     )(*inputs)
-    return (q.reshape(num_tokens, num_heads, head_dim), k_cache.reshape(k_cache_SKH.shape),
-            v_cache.reshape(v_cache_SKH.shape))
+    return (q.reshape(num_tokens, num_heads, head_dim), k_cache.reshape(k_cache_XKH.shape),
+            v_cache.reshape(v_cache_XKH.shape))

@@ -27,15 +27,15 @@ several runs is just several blocks. (Fixed tiles of ``block_q`` tokens would ne
 but a tile straddling two requests walks the keys of both, and a 16-row verify block that
 straddles two tiles is read twice; blocks cut at request starts avoid both.)
 
-**Grid** ``(G, K, S)``: program (g, k, s) handles query blocks g, g + G, ... (G is
-``min(T, cdiv(T, block_q) + R + 1)``, enough for one block each when rows are contiguous;
-programs past the last block exit at once), kv head k, key split s. GQA: the ``group``
-query heads of kv head k are processed together, so the block is a matrix of
-``M = block_q * group_pad`` rows (row i = token i // group_pad, head i % group_pad; the
-group padded to a power of two, extra rows masked) against ``[block_k, H]`` key tiles: one
-K/V load serves the whole group, and the dots have at least 16 rows (block_q is raised
-until M >= 16). Qwen3-8B (32 / 8 heads): a 16-row verify block is M = 64; decode is
-block_q = 4, M = 16 with 4 live rows; prefill is block_q = 32, M = 128.
+**Grid** ``(num_programs, K, kv_splits)``: program (g, k, s) handles query blocks g,
+g + num_programs, ... (num_programs is ``min(T, cdiv(T, block_q) + R + 1)``, enough for one
+block each when rows are contiguous; programs past the last block exit at once), kv head k,
+key split s. GQA: the ``group`` query heads of kv head k are processed together, so the
+block is a matrix of ``M = block_q * group_pad`` rows (row i = token i // group_pad, head
+i % group_pad; the group padded to a power of two, extra rows masked) against
+``[block_k, H]`` key tiles: one K/V load serves the whole group, and the dots have at least
+16 rows (block_q is raised until M >= 16). Qwen3-8B (32 / 8 heads): a 16-row verify block
+is M = 64; decode is block_q = 4, M = 16 with 4 live rows; prefill is block_q = 32, M = 128.
 
 **Keys.** Each block walks its row's keys in chunks of ``block_k`` positions with an online
 softmax (running max, sum and float32 accumulator), for only the chunks its rows can see:
@@ -43,10 +43,10 @@ from ``min position - W + 1`` (windowed rules) to ``max position + 1`` (causal),
 (non-causal windowed) or ``seq_len`` (non-causal), so cost follows real lengths, not the
 block table's width. A chunk's slots come from the block table per key (page ids loaded as
 a gathered vector), K/V rows are gathered with computed row indices (``slot * K + k``
-into the cache viewed as ``[X * K, H]``), masked past ``seq_len``. With ``kv_splits = S >
-1`` split s takes chunks s, s + S, ... and writes unnormalised partial results (max, sum,
-accumulator) that a jnp epilogue combines: a batch of one long request then fills the GPU
-(flash-decoding).
+into the cache viewed as ``[X * K, H]``), masked past ``seq_len``. With ``kv_splits > 1``
+split s takes chunks s, s + kv_splits, ... and writes unnormalised partial results (max,
+sum, accumulator) that a jnp epilogue combines: a batch of one long request then fills the
+GPU (flash-decoding).
 
 Indexing conventions (Triton lowering and interpret mode alike): every load/store indexes
 with integer arrays (rows ``[M, 1]``, columns ``[1, H]``), never a mix of arrays and
@@ -78,7 +78,7 @@ class _Config:
     """Static sizes of one call (hashable, closed over by the kernel)."""
 
     num_tokens: int      # T
-    num_heads: int       # N
+    num_heads: int       # U
     num_kv_heads: int    # K
     head_dim: int        # H
     num_rows: int        # R, the block table's rows
@@ -88,8 +88,8 @@ class _Config:
     window: int | None
     block_q: int         # tokens per query block
     block_k: int         # key positions per chunk
-    kv_splits: int       # S
-    num_programs: int    # G
+    kv_splits: int
+    num_programs: int
     f32: bool            # inputs are float32: IEEE dots
 
     @property
@@ -175,9 +175,9 @@ def query_blocks(q_req_T, block_q: int) -> QueryBlocks:
 
 def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_ref,
             table_ref, q_ref, k_ref, v_ref, *out_refs):
-    """Program (g, kv head, split): query blocks g, g + G, ... against one kv head."""
-    T, N, K, H = cfg.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    G, S, C, M = cfg.num_programs, cfg.kv_splits, cfg.block_k, cfg.block_rows
+    """Program (g, kv head, split): query blocks g, g + programs, ... against one kv head."""
+    T, U, K, H = cfg.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    programs, splits, chunk, M = cfg.num_programs, cfg.kv_splits, cfg.block_k, cfg.block_rows
     group, group_pad, page = cfg.group, cfg.group_pad, cfg.page_size
     rule = LayerAttention(cfg.causal, cfg.window)
     precision = lax.Precision.HIGHEST if cfg.f32 else None
@@ -186,10 +186,10 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
     cols = lax.iota(jnp.int32, H)[None, :]                     # [1, H]
     row = lax.iota(jnp.int32, M)
     token_in_block, head_in_group = row // group_pad, row % group_pad
-    key_in_chunk = lax.iota(jnp.int32, C)
+    key_in_chunk = lax.iota(jnp.int32, chunk)
 
     def one_block(i, carry):
-        block = g + i * G
+        block = g + i * programs
         first = first_ref[block]
         num_block_tokens = first_ref[block + 1] - first
         req = jnp.clip(req_ref[first], 0, cfg.num_rows - 1)
@@ -198,7 +198,7 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
         valid = (token_in_block < num_block_tokens) & (head_in_group < group)   # [M]
         token = jnp.minimum(first + token_in_block, T - 1)
         q_pos = plgpu.load(pos_ref.at[token])                                    # [M]
-        q_row = token * N + kv_head * group + jnp.minimum(head_in_group, group - 1)
+        q_row = token * U + kv_head * group + jnp.minimum(head_in_group, group - 1)
         q = plgpu.load(q_ref.at[q_row[:, None], cols], mask=valid[:, None], other=0)
 
         # Chunks this block can see, then this split's share of them.
@@ -210,13 +210,13 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
             hi = jnp.minimum(hi, jnp.max(jnp.where(valid, q_pos, -1)) + rule.window)
         if rule.window is not None:
             lo = jnp.maximum(jnp.min(jnp.where(valid, q_pos, 2**30)) - rule.window + 1, 0)
-        first_chunk = lo // C
-        num_chunks = jnp.maximum((hi + C - 1) // C - first_chunk, 0)
-        trips = jnp.maximum(num_chunks - split + S - 1, 0) // S
+        first_chunk = lo // chunk
+        num_chunks = jnp.maximum((hi + chunk - 1) // chunk - first_chunk, 0)
+        trips = jnp.maximum(num_chunks - split + splits - 1, 0) // splits
 
         def one_chunk(j, state):
             max_M, sum_M, acc_MH = state
-            key_pos = (first_chunk + split + j * S) * C + key_in_chunk            # [C]
+            key_pos = (first_chunk + split + j * splits) * chunk + key_in_chunk  # [chunk]
             page_index = jnp.minimum(key_pos // page, cfg.table_width - 1)
             page_id = plgpu.load(table_ref.at[req * cfg.table_width + page_index])
             key_ok = key_pos < seq_len
@@ -241,50 +241,50 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
 
         # Masked lanes point one row past the end: never touched on the GPU, dropped by
         # interpret mode's scatter (so duplicates never race a real row).
-        if S == 1:
+        if splits == 1:
             (o_ref,) = out_refs
-            out_row = jnp.where(valid, q_row, T * N)
+            out_row = jnp.where(valid, q_row, T * U)
             out = acc_MH / jnp.maximum(sum_M, 1e-30)[:, None]
             plgpu.store(o_ref.at[out_row[:, None], cols], out.astype(o_ref.dtype),
                         mask=valid[:, None])
         else:
             acc_ref, max_ref, sum_ref = out_refs
-            part_row = jnp.where(valid, split * (T * N) + q_row, S * T * N)
+            part_row = jnp.where(valid, split * (T * U) + q_row, splits * T * U)
             plgpu.store(acc_ref.at[part_row[:, None], cols], acc_MH, mask=valid[:, None])
             plgpu.store(max_ref.at[part_row], max_M, mask=valid)
             plgpu.store(sum_ref.at[part_row], sum_M, mask=valid)
         return carry
 
     num_blocks = num_blocks_ref[0]
-    lax.fori_loop(0, jnp.maximum(num_blocks - g + G - 1, 0) // G, one_block, 0)
+    lax.fori_loop(0, jnp.maximum(num_blocks - g + programs - 1, 0) // programs, one_block, 0)
 
 
-def _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positions_T,
+def _check(q_TUH, k_slots_XKH, v_slots_XKH, block_table_RP, seq_lens_R, q_positions_T,
            q_req_T, page_size, block_q, block_k, kv_splits):
     """ValueError with what is wrong for shapes and settings the kernel cannot take."""
-    if q_TNH.ndim != 3 or k_slots_XKH.ndim != 3:
-        raise ValueError(f"q must be [T, N, H] and k/v [slots, K, H]; got {q_TNH.shape} and "
+    if q_TUH.ndim != 3 or k_slots_XKH.ndim != 3:
+        raise ValueError(f"q must be [T, U, H] and k/v [slots, K, H]; got {q_TUH.shape} and "
                          f"{k_slots_XKH.shape}.")
-    T, N, H = q_TNH.shape
+    T, U, H = q_TUH.shape
     X, K, Hk = k_slots_XKH.shape
     if v_slots_XKH.shape != k_slots_XKH.shape:
         raise ValueError(f"k and v slots differ in shape: {k_slots_XKH.shape} vs "
                          f"{v_slots_XKH.shape}.")
-    if Hk != H or K < 1 or N % K:
-        raise ValueError(f"q heads {N} x {H} do not group over kv heads {K} x {Hk}: need the "
+    if Hk != H or K < 1 or U % K:
+        raise ValueError(f"q heads {U} x {H} do not group over kv heads {K} x {Hk}: need the "
                          "same head_dim and num_heads a multiple of num_kv_heads.")
     if not is_pow2(H) or H < 16:
         raise ValueError(f"head_dim {H} must be a power of two >= 16 for the Pallas kernel; "
                          "use dflash_jax.attention.paged_attention for other sizes.")
-    dtypes = {q_TNH.dtype, k_slots_XKH.dtype, v_slots_XKH.dtype}
-    if len(dtypes) != 1 or q_TNH.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
+    dtypes = {q_TUH.dtype, k_slots_XKH.dtype, v_slots_XKH.dtype}
+    if len(dtypes) != 1 or q_TUH.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
         raise ValueError(f"q, k and v must share one of bfloat16/float16/float32, got "
-                         f"{q_TNH.dtype}, {k_slots_XKH.dtype}, {v_slots_XKH.dtype}.")
-    if block_table_RM.ndim != 2 or block_table_RM.shape[1] < 1:
-        raise ValueError(f"block_table must be [R, max_blocks >= 1], got {block_table_RM.shape}.")
-    if seq_lens_R.shape != (block_table_RM.shape[0],):
+                         f"{q_TUH.dtype}, {k_slots_XKH.dtype}, {v_slots_XKH.dtype}.")
+    if block_table_RP.ndim != 2 or block_table_RP.shape[1] < 1:
+        raise ValueError(f"block_table must be [R, max_blocks >= 1], got {block_table_RP.shape}.")
+    if seq_lens_R.shape != (block_table_RP.shape[0],):
         raise ValueError(f"seq_lens has shape {seq_lens_R.shape}; expected "
-                         f"({block_table_RM.shape[0]},), one per block-table row.")
+                         f"({block_table_RP.shape[0]},), one per block-table row.")
     if q_positions_T.shape != (T,) or q_req_T.shape != (T,):
         raise ValueError(f"q_positions and q_req must be [T={T}], got {q_positions_T.shape} "
                          f"and {q_req_T.shape}.")
@@ -301,12 +301,12 @@ def _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positi
     "page_size", "rule", "token_tile", "key_chunk", "interpret", "block_q", "block_k",
     "kv_splits", "num_warps", "num_stages"))
 def paged_attention_pallas(
-    q_TNH,
+    q_TUH,
     q_positions_T,
     q_req_T,
     k_slots_XKH,
     v_slots_XKH,
-    block_table_RM,
+    block_table_RP,
     seq_lens_R,
     *,
     page_size: int,
@@ -321,7 +321,7 @@ def paged_attention_pallas(
     num_stages: int = 2,
     blocks=None,
 ):
-    """`paged_attention_reference` as a Pallas kernel; output [T, N, H] in q's dtype.
+    """`paged_attention_reference` as a Pallas kernel; output [T, U, H] in q's dtype.
 
     token_tile, key_chunk: the jnp reference's knobs, accepted so a call site can switch
         functions unchanged; unused here.
@@ -336,24 +336,24 @@ def paged_attention_pallas(
     """
     q_positions_T = jnp.asarray(q_positions_T, jnp.int32)
     q_req_T = jnp.asarray(q_req_T, jnp.int32)
-    block_table_RM = jnp.asarray(block_table_RM, jnp.int32)
+    block_table_RP = jnp.asarray(block_table_RP, jnp.int32)
     seq_lens_R = jnp.asarray(seq_lens_R, jnp.int32)
-    _check(q_TNH, k_slots_XKH, v_slots_XKH, block_table_RM, seq_lens_R, q_positions_T,
+    _check(q_TUH, k_slots_XKH, v_slots_XKH, block_table_RP, seq_lens_R, q_positions_T,
            q_req_T, page_size, block_q, block_k, kv_splits)
-    T, N, H = q_TNH.shape
+    T, U, H = q_TUH.shape
     X, K, _ = k_slots_XKH.shape
-    R, width = block_table_RM.shape
+    R, width = block_table_RP.shape
     if T == 0:
-        return jnp.zeros_like(q_TNH)
-    group = N // K
+        return jnp.zeros_like(q_TUH)
+    group = U // K
     if block_q is None:
-        block_q = default_block_q(T, R, group, f32=q_TNH.dtype == jnp.float32)
+        block_q = default_block_q(T, R, group, f32=q_TUH.dtype == jnp.float32)
     block_q = max(block_q, 16 // next_pow2(group))   # at least 16 dot rows
     cfg = _Config(
-        num_tokens=T, num_heads=N, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
+        num_tokens=T, num_heads=U, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
-        f32=q_TNH.dtype == jnp.float32)
+        f32=q_TUH.dtype == jnp.float32)
     cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
     if blocks is None:
         blocks = query_blocks(q_req_T, block_q)
@@ -367,31 +367,31 @@ def paged_attention_pallas(
         quiet_triton_deprecation()
     if num_warps is None:
         num_warps = 8 if cfg.block_rows >= 128 else 4
-    S = kv_splits
-    rows = T * N
-    if S == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, H), q_TNH.dtype)]
+    splits = kv_splits
+    rows = T * U
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, H), q_TUH.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((S * rows, H), jnp.float32),
-                     jax.ShapeDtypeStruct((S * rows,), jnp.float32),
-                     jax.ShapeDtypeStruct((S * rows,), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((splits * rows, H), jnp.float32),
+                     jax.ShapeDtypeStruct((splits * rows,), jnp.float32),
+                     jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(_kernel, cfg),
         out_shape=out_shape,
-        grid=(cfg.num_programs, K, S),
+        grid=(cfg.num_programs, K, splits),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_attention_ragged",
     )(blocks.first, blocks.num_blocks, q_req_T, q_positions_T, seq_lens_R,
-      block_table_RM.reshape(-1), q_TNH.reshape(rows, H), k_slots_XKH.reshape(X * K, H),
+      block_table_RP.reshape(-1), q_TUH.reshape(rows, H), k_slots_XKH.reshape(X * K, H),
       v_slots_XKH.reshape(X * K, H))
-    if S == 1:
-        return outs[0].reshape(T, N, H)
+    if splits == 1:
+        return outs[0].reshape(T, U, H)
     # The flash-decoding epilogue, left to XLA: as one Pallas kernel (a program per query row)
-    # it was slower than XLA's fused kernels (bench/NOTES.md).
-    acc_SRH = outs[0].reshape(S, rows, H)
-    max_SR, sum_SR = outs[1].reshape(S, rows), outs[2].reshape(S, rows)
-    weight_SR = jnp.exp(max_SR - jnp.max(max_SR, axis=0))
-    total_R = jnp.sum(weight_SR * sum_SR, axis=0)
-    out_RH = jnp.sum(weight_SR[..., None] * acc_SRH, axis=0) / jnp.maximum(total_R, 1e-30)[:, None]
-    return out_RH.reshape(T, N, H).astype(q_TNH.dtype)
+    # it was slower than XLA's fused kernels (bench/NOTES.md). s: key splits.
+    acc_sMH = outs[0].reshape(splits, rows, H)
+    max_sM, sum_sM = outs[1].reshape(splits, rows), outs[2].reshape(splits, rows)
+    weight_sM = jnp.exp(max_sM - jnp.max(max_sM, axis=0))
+    total_M = jnp.sum(weight_sM * sum_sM, axis=0)
+    out_MH = jnp.sum(weight_sM[..., None] * acc_sMH, axis=0) / jnp.maximum(total_M, 1e-30)[:, None]
+    return out_MH.reshape(T, U, H).astype(q_TUH.dtype)

@@ -1,11 +1,13 @@
 """The package's shape: imports that run one way, kernels that know nothing of the library,
-no environment reads in library code, one caller of the samplers. Read from the source (every
-import statement, lazy ones inside functions included), so nothing needs importing."""
+no environment reads in library code, one caller of the samplers, one legend of shape letters.
+Read from the source (every import statement, lazy ones inside functions included), so nothing
+needs importing."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +146,48 @@ def test_each_package_imports_first(module):
     done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# A shape suffix: the last `_`-separated part of a name that starts in lowercase, made of
+# uppercase letters and digits, with single lowercase letters for local axes (`q_tNH`).
+_SHAPE_NAME = re.compile(
+    r"(?<![A-Za-z0-9_])_*[a-z][a-z0-9_]*_((?:[A-Z0-9]|[a-z](?![a-z]))*[A-Z](?:[A-Z0-9]|[a-z](?![a-z]))*)(?![A-Za-z0-9_])"
+)
+
+
+def shape_legend() -> list[str]:
+    """The letters of docs/ARCHITECTURE.md's "Shape letters" table, in its order."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## Shape letters\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| ([A-Z]) \|", section, flags=re.M)
+
+
+def shape_names():
+    """(path, line, name, suffix) of every shape-suffixed name in the library and the kernels,
+    code, docstrings and comments alike."""
+    for package in ("dflash_jax", "pallas_kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                for match in _SHAPE_NAME.finditer(line):
+                    yield path.relative_to(ROOT), number, match.group(0), match.group(1)
+
+
+def test_shape_legend_has_one_row_per_letter():
+    letters = shape_legend()
+    assert len(letters) >= 10, "docs/ARCHITECTURE.md lost its \"Shape letters\" table"
+    assert len(letters) == len(set(letters)), f"letters listed twice: {sorted({c for c in letters if letters.count(c) > 1})}"
+
+
+def test_shape_suffixes_use_the_legend():
+    """Every suffix letter of `dflash_jax/` and `pallas_kernels/` means what the legend says:
+    a new axis gets a row there (one meaning per letter) or a lowercase letter its function defines."""
+    legend = set(shape_legend())
+    strays = [f"{path}:{number} {name}" for path, number, name, suffix in shape_names()
+              if set(re.sub(r"[^A-Z]", "", suffix)) - legend]
+    assert not strays, "shape letters not in docs/ARCHITECTURE.md's legend:\n" + "\n".join(strays)
+
+
+def test_every_legend_letter_is_used():
+    used = {c for *_, suffix in shape_names() for c in suffix if c.isupper()}
+    unused = sorted(set(shape_legend()) - used)
+    assert not unused, f"legend rows no name uses (drop them): {unused}"

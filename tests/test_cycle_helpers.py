@@ -331,7 +331,7 @@ def test_unpack_round_trip_under_jit():
     assert batch.verifying_R.dtype == jnp.bool_ and as_list(batch.verifying_R) == [True, False, False]
     assert as_list(batch.remaining_R) == [1, 0, 0]  # the samples flags, for the step to turn into counts
     assert as_list(batch.next_prefill_tokens_R) == [0, 26, 0]
-    assert as_list(batch.stop_ids_RX) == [[2, 7, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert as_list(batch.stop_ids_RE) == [[2, 7, -1], [-1, -1, -1], [-1, -1, -1]]
     s = batch.sampling
     assert as_list(s.temperature_R) == [0.5, 0.0, 0.0] and as_list(s.top_k_R) == [5, 0, 0]
     assert as_list(s.top_p_R) == pytest.approx([0.9, 1.0, 1.0]) and as_list(s.seeds_R) == [11, 0, 0]

@@ -37,32 +37,32 @@ class Drafter(nnx.Module):
     def dtype(self):
         return self.fc.kernel[...].dtype
 
-    def context_kv(self, features_SF, positions_S):
+    def context_kv(self, features_LF, positions_L):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
         XLA copies the layers' K/V columns into that stack each call; a product per layer is
         no better, as it copies each layer's column slice instead (bench/NOTES.md). On a
         tensor-parallel mesh the stack is laid out per shard (`Attention.kv_weights`), so each
         shard computes its own kv heads.
 
-        Returns a list, per layer, of (k [S, K, H], v [S, K, H]), normed and rotated: exactly
+        Returns a list, per layer, of (k [L, K, H], v [L, K, H]), normed and rotated: exactly
         what the drafter's KV cache stores.
         """
         cfg = self.cfg
-        ctx_SD = self.hidden_norm(replicated(self.fc(replicated(features_SF, self.mesh).astype(self.dtype)), self.mesh))
+        ctx_LD = self.hidden_norm(replicated(self.fc(replicated(features_LF, self.mesh).astype(self.dtype)), self.mesh))
         weights = [layer.self_attn.kv_weights() for layer in self.layers]
         shards = self.layers[0].self_attn.shards
-        # [D, shards, L, 2K/shards, H]: each shard's columns of every layer side by side
-        kernel_DGLYH = jnp.stack([kernel for kernel, _ in weights], axis=2)
-        kv_SX = dot_general(ctx_SD, kernel_DGLYH.reshape(cfg.hidden_size, -1), (((1,), (0,)), ((), ())))
+        # [D, shards, layers, 2K/shards, H]: each shard's columns of every layer side by side
+        stacked = jnp.stack([kernel for kernel, _ in weights], axis=2)
+        kv = dot_general(ctx_LD, stacked.reshape(cfg.hidden_size, -1), (((1,), (0,)), ((), ())))
         if cfg.attention_bias:
-            kv_SX = kv_SX + jnp.stack([bias for _, bias in weights], axis=1).reshape(-1)
-        kv_SGL2KH = kv_SX.reshape(ctx_SD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
-        # No -1 in the shape: S is 0 before there is any context.
-        kv_heads = [jnp.swapaxes(kv_SGL2KH[:, :, :, i], 1, 2).reshape(ctx_SD.shape[0], cfg.num_layers,
-                                                                       cfg.num_kv_heads, cfg.head_dim)
-                    for i in (0, 1)]  # keys, values: [S, L, K, H]
+            kv = kv + jnp.stack([bias for _, bias in weights], axis=1).reshape(-1)
+        # [L, shards, layers, 2, K/shards, H]; no -1 in the shape: L is 0 before there is any context.
+        kv = kv.reshape(ctx_LD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
+        kv_heads = [jnp.swapaxes(kv[:, :, :, i], 1, 2).reshape(ctx_LD.shape[0], cfg.num_layers,
+                                                                cfg.num_kv_heads, cfg.head_dim)
+                    for i in (0, 1)]  # keys, values: [L, layers, K, H]
         return [
-            layer.self_attn.finish_kv(kv_heads[0][:, i], kv_heads[1][:, i], positions_S)
+            layer.self_attn.finish_kv(kv_heads[0][:, i], kv_heads[1][:, i], positions_L)
             for i, layer in enumerate(self.layers)
         ]
 

@@ -68,9 +68,9 @@ def _cycle(target_graph, target_state, drafter_graph, drafter_state, buffer_L, s
     drafter = nnx.merge(drafter_graph, drafter_state)
     _, features_LF = target_logits_and_features(target, buffer_L, drafter.cfg.target_layer_ids)
     anchors_A = jnp.reshape(start, (1,)).astype(jnp.int32)
-    drafts_K = jnp.argmax(block_logits(target, drafter, buffer_L, features_LF, anchors_A)[0], axis=-1)
-    verify_L = jax.lax.dynamic_update_slice(buffer_L, drafts_K.astype(jnp.int32), (start + 1,))
+    drafts_N = jnp.argmax(block_logits(target, drafter, buffer_L, features_LF, anchors_A)[0], axis=-1)
+    verify_L = jax.lax.dynamic_update_slice(buffer_L, drafts_N.astype(jnp.int32), (start + 1,))
     logits_LV, _ = target_logits_and_features(target, verify_L, ())
     block_size = drafter.cfg.trained_block_size
     posterior_B = jnp.argmax(jax.lax.dynamic_slice_in_dim(logits_LV, start, block_size), axis=-1)
-    return drafts_K, posterior_B
+    return drafts_N, posterior_B

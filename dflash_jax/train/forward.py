@@ -34,11 +34,11 @@ def target_logits_and_features(target: Target, token_ids_L, layer_ids):
     return target.unembed(hidden_LD), features_LF
 
 
-def block_attention(q_ABNH, ctx_k_LKH, ctx_v_LKH, blk_k_ABKH, blk_v_ABKH, ctx_mask_ABL, blk_mask_BB):
-    """Softmax over [context | own block] keys, grouped KV heads, float32 scores; [A, B, N, H]."""
-    num_anchors, block_size, num_heads, head_dim = q_ABNH.shape
+def block_attention(q_ABUH, ctx_k_LKH, ctx_v_LKH, blk_k_ABKH, blk_v_ABKH, ctx_mask_ABL, blk_mask_BB):
+    """Softmax over [context | own block] keys, grouped KV heads, float32 scores; [A, B, U, H]."""
+    num_anchors, block_size, num_heads, head_dim = q_ABUH.shape
     num_kv_heads = ctx_k_LKH.shape[1]
-    q_ABKGH = q_ABNH.reshape(num_anchors, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q_ABKGH = q_ABUH.reshape(num_anchors, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scale = head_dim**-0.5
     ctx_scores = jnp.einsum("abkgh,lkh->abkgl", q_ABKGH, ctx_k_LKH, preferred_element_type=jnp.float32)
     blk_scores = jnp.einsum("abkgh,ackh->abkgc", q_ABKGH, blk_k_ABKH, preferred_element_type=jnp.float32)
@@ -49,7 +49,7 @@ def block_attention(q_ABNH, ctx_k_LKH, ctx_v_LKH, blk_k_ABKH, blk_v_ABKH, ctx_ma
     ctx_probs, blk_probs = probs[..., :num_ctx], probs[..., num_ctx:]
     out_ABKGH = jnp.einsum("abkgl,lkh->abkgh", ctx_probs.astype(ctx_v_LKH.dtype), ctx_v_LKH)
     out_ABKGH += jnp.einsum("abkgc,ackh->abkgh", blk_probs.astype(blk_v_ABKH.dtype), blk_v_ABKH)
-    return out_ABKGH.reshape(q_ABNH.shape).astype(q_ABNH.dtype)
+    return out_ABKGH.reshape(q_ABUH.shape).astype(q_ABUH.dtype)
 
 
 def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
@@ -61,15 +61,15 @@ def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anc
     block_ids_AB = block_ids_AB.at[:, 0].set(token_ids_L[anchors_A])
     context_kv = drafter.context_kv(features_LF, jnp.arange(num_ctx, dtype=jnp.int32))
 
-    def attend(layer_idx, q_TNH, k_TKH, v_TKH):
+    def attend(layer_idx, q_TUH, k_TKH, v_TKH):
         rule = cfg.layers[layer_idx]
         ctx_k, ctx_v = context_kv[layer_idx]
         as_blocks = lambda x: x.reshape(num_anchors, block_size, *x.shape[1:])
-        out_ABNH = block_attention(
-            as_blocks(q_TNH), ctx_k, ctx_v, as_blocks(k_TKH), as_blocks(v_TKH),
+        out_ABUH = block_attention(
+            as_blocks(q_TUH), ctx_k, ctx_v, as_blocks(k_TKH), as_blocks(v_TKH),
             context_mask(anchors_A, num_ctx, block_size, rule), block_mask(block_size, rule),
         )
-        return out_ABNH.reshape(q_TNH.shape)
+        return out_ABUH.reshape(q_TUH.shape)
 
     embeds_TD = target.embed(block_ids_AB.reshape(-1)).astype(drafter.dtype)
     hidden_TD = drafter(embeds_TD, positions_AB.reshape(-1), finishing(attend))

@@ -28,36 +28,36 @@ def slot_weights(block_size: int, gamma: float):
 def block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, block_size: int):
     """(labels int32 [A, B-1], counted bool [A, B-1]): x_{p+k} and whether slot k counts."""
     num_ctx = token_ids_L.shape[0]
-    positions_AK = anchors_A[:, None] + jnp.arange(1, block_size, dtype=jnp.int32)
-    inside_AK = positions_AK < num_ctx
-    positions_AK = jnp.minimum(positions_AK, num_ctx - 1)
-    counted_AK = valid_A[:, None] & inside_AK & loss_mask_L[positions_AK]
-    return token_ids_L[positions_AK], counted_AK
+    positions_AN = anchors_A[:, None] + jnp.arange(1, block_size, dtype=jnp.int32)
+    inside_AN = positions_AN < num_ctx
+    positions_AN = jnp.minimum(positions_AN, num_ctx - 1)
+    counted_AN = valid_A[:, None] & inside_AN & loss_mask_L[positions_AN]
+    return token_ids_L[positions_AN], counted_AN
 
 
 def block_soft_labels(target_logits_LV, anchors_A, block_size: int):
     """float32 [A, B-1, V]: the target's next-token distribution for x_{p+k} (its row p+k-1)."""
-    rows_AK = anchors_A[:, None] + jnp.arange(block_size - 1, dtype=jnp.int32)
-    rows_AK = jnp.minimum(rows_AK, target_logits_LV.shape[0] - 1)  # past the end: not counted
-    return jax.nn.softmax(target_logits_LV[rows_AK].astype(jnp.float32), axis=-1)
+    rows_AN = anchors_A[:, None] + jnp.arange(block_size - 1, dtype=jnp.int32)
+    rows_AN = jnp.minimum(rows_AN, target_logits_LV.shape[0] - 1)  # past the end: not counted
+    return jax.nn.softmax(target_logits_LV[rows_AN].astype(jnp.float32), axis=-1)
 
 
-def block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K, soft_labels_AKV=None, soft_weight: float = 0.0):
-    """Per-sequence sums: (weighted CE, weight, correct per slot [K], counted per slot [K]).
+def block_loss_terms(logits_ANV, labels_AN, counted_AN, weights_N, soft_labels_ANV=None, soft_weight: float = 0.0):
+    """Per-sequence sums: (weighted CE, weight, correct per slot [N], counted per slot [N]).
 
     Sums, not means, so a batch normalises once by its total weight. With soft labels the CE
     per slot is (1 - soft_weight) * CE(hard label) + soft_weight * CE(soft labels).
     """
-    log_probs_AKV = jax.nn.log_softmax(logits_AKV, axis=-1)
-    ce_AK = -jnp.take_along_axis(log_probs_AKV, labels_AK[..., None], -1)[..., 0]
-    if soft_labels_AKV is not None:
-        soft_ce_AK = -jnp.sum(soft_labels_AKV * log_probs_AKV, axis=-1)
-        ce_AK = (1.0 - soft_weight) * ce_AK + soft_weight * soft_ce_AK
-    w_AK = jnp.where(counted_AK, weights_K[None, :], 0.0)
-    correct_AK = (jnp.argmax(logits_AKV, axis=-1) == labels_AK) & counted_AK
+    log_probs_ANV = jax.nn.log_softmax(logits_ANV, axis=-1)
+    ce_AN = -jnp.take_along_axis(log_probs_ANV, labels_AN[..., None], -1)[..., 0]
+    if soft_labels_ANV is not None:
+        soft_ce_AN = -jnp.sum(soft_labels_ANV * log_probs_ANV, axis=-1)
+        ce_AN = (1.0 - soft_weight) * ce_AN + soft_weight * soft_ce_AN
+    w_AN = jnp.where(counted_AN, weights_N[None, :], 0.0)
+    correct_AN = (jnp.argmax(logits_ANV, axis=-1) == labels_AN) & counted_AN
     return (
-        jnp.sum(w_AK * ce_AK),
-        jnp.sum(w_AK),
-        jnp.sum(correct_AK, axis=0).astype(jnp.float32),
-        jnp.sum(counted_AK, axis=0).astype(jnp.float32),
+        jnp.sum(w_AN * ce_AN),
+        jnp.sum(w_AN),
+        jnp.sum(correct_AN, axis=0).astype(jnp.float32),
+        jnp.sum(counted_AN, axis=0).astype(jnp.float32),
     )

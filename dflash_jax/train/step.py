@@ -83,10 +83,10 @@ def drafter_params(drafter) -> dict:
 
 
 def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mesh | None = None):
-    """A jitted `step(params, opt_state, target_state, token_ids [N, L], loss_mask [N, L], step)`
+    """A jitted `step(params, opt_state, target_state, token_ids [R, L], loss_mask [R, L], step)`
     returning (params, opt_state, metrics); params and optimizer state are donated.
 
-    With a `mesh`, data-parallel over its "data" axis: each device takes N / data sequences;
+    With a `mesh`, data-parallel over its "data" axis: each device takes R / data sequences;
     parameters, optimizer state and the target are whole on every device, and XLA sums the
     loss and gradients over the devices (the loss is one mean over the whole batch, so the
     update is the one-device update).
@@ -97,40 +97,40 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mes
     optimizer = make_optimizer(hp)
     schedule = learning_rate_schedule(hp)
     compute_dtype = jnp.dtype(hp.compute_dtype)
-    weights_K = slot_weights(cfg.trained_block_size, hp.gamma or default_gamma(cfg.trained_block_size))
+    weights_N = slot_weights(cfg.trained_block_size, hp.gamma or default_gamma(cfg.trained_block_size))
     base_key = jax.random.key(hp.seed)
 
-    def loss_fn(params, target_state, token_ids_NL, loss_mask_NL, key):
+    def loss_fn(params, target_state, token_ids_RL, loss_mask_RL, key):
         target = nnx.merge(target_graph, target_state)
         drafter = model_from_params(cfg, compute_dtype, jax.tree.map(lambda x: x.astype(compute_dtype), params))
 
         def one_sequence(token_ids_L, loss_mask_L, seq_key):
             target_logits_LV, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
             anchors_A, valid_A = sample_anchors(seq_key, loss_mask_L, hp.max_anchors)
-            logits_AKV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
-            labels_AK, counted_AK = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.trained_block_size)
-            soft_AKV = None
+            logits_ANV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
+            labels_AN, counted_AN = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.trained_block_size)
+            soft_ANV = None
             if hp.soft_label_weight > 0:
-                soft_AKV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.trained_block_size))
-            return block_loss_terms(logits_AKV, labels_AK, counted_AK, weights_K, soft_AKV, hp.soft_label_weight)
+                soft_ANV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.trained_block_size))
+            return block_loss_terms(logits_ANV, labels_AN, counted_AN, weights_N, soft_ANV, hp.soft_label_weight)
 
-        keys = jax.random.split(key, token_ids_NL.shape[0])
-        ce, weight, correct_K, counted_K = jax.vmap(one_sequence)(token_ids_NL, loss_mask_NL, keys)
+        keys = jax.random.split(key, token_ids_RL.shape[0])
+        ce, weight, correct_N, counted_N = jax.vmap(one_sequence)(token_ids_RL, loss_mask_RL, keys)
         loss = jnp.sum(ce) / jnp.maximum(jnp.sum(weight), 1e-9)
-        return loss, (jnp.sum(correct_K, 0), jnp.sum(counted_K, 0))
+        return loss, (jnp.sum(correct_N, 0), jnp.sum(counted_N, 0))
 
-    def step(params, opt_state, target_state, token_ids_NL, loss_mask_NL, step_index):
+    def step(params, opt_state, target_state, token_ids_RL, loss_mask_RL, step_index):
         key = jax.random.fold_in(base_key, step_index)
-        (loss, (correct_K, counted_K)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, target_state, token_ids_NL, loss_mask_NL, key
+        (loss, (correct_N, counted_N)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, target_state, token_ids_RL, loss_mask_RL, key
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics = dict(
             loss=loss,
             grad_norm=jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))),
             learning_rate=schedule(step_index),
-            accuracy=correct_K / jnp.maximum(counted_K, 1.0),
-            counted=counted_K,
+            accuracy=correct_N / jnp.maximum(counted_N, 1.0),
+            counted=counted_N,
         )
         return optax.apply_updates(params, updates), opt_state, metrics
 
