@@ -30,68 +30,127 @@ def paged_attention_reference(
     with nothing visible (padding) return zeros.
 
     Work and memory follow the batch's real lengths, not the block table's width: tokens go
-    in tiles, and each tile walks its keys in chunks (an online softmax) for as many chunks
-    as its longest row needs, so gathered keys stay `[tile, key_chunk, K, H]`. With a single
-    block-table row (batch 1: a verify or draft block, a prompt) every token reads the same
-    keys, gathered once per chunk as `[key_chunk, K, H]`: per-token gathers made every verified
-    row cost extra on a CPU.
+    in query blocks of consecutive tokens of one row, and each query block walks its row's
+    keys in chunks (an online softmax), only the chunks its tokens can see
+    (`_visible_chunks`), so gathered keys stay `[key_chunk, K, H]`. A query block's tokens
+    share that gather: its scores are one matrix product per kv head, `[t * G, H] x [H, C]`.
+    Gathering keys per token instead (`[t, C, K, H]`, as this function once did for several
+    rows) made each token a matrix-vector product against its own copy of the keys, which
+    XLA CPU runs poorly: a few requests' verify blocks in one batch cost several times those
+    blocks run one request at a time.
+
+    With a single block-table row (batch 1: a verify or draft block, a prompt) the query
+    blocks are tiles of `token_tile` tokens. With several rows a query block starts at a
+    token and takes the tokens after it while they stay in its row, up to t of them: t is
+    the tokens per row were they even (`T / R`: a verify block's 1 + N rows, 1 when
+    decoding), at most `token_tile`. The runtime's batches keep a request's tokens
+    contiguous (padding tokens at the end, in row 0), so a request's verify block is one
+    query block; any `q_req_T` is correct, a row that comes back later is just another
+    query block. The blocks are a while loop over the tokens, each writing its outputs in
+    place: unlike cutting them up front (a sort, a scan, a scatter) this adds few kernels for
+    XLA to compile, which matters as the tests compile this function in every layer of every
+    program. For the same reason a block table no wider than one chunk (the tests', a small
+    `generate` call's) is one plain softmax with no loop over chunks.
+
+    Below, t is the tokens of one query block and P the pages of one key chunk.
     """
     num_tokens, num_heads, head_dim = q_TNH.shape
+    num_rows, pages_per_row = block_table_RM.shape
     num_kv_heads = k_slots_XKH.shape[1]
     group = num_heads // num_kv_heads
-    chunk = max(1, key_chunk // page_size) * page_size
-    last_page = block_table_RM.shape[1] - 1
-    one_row = block_table_RM.shape[0] == 1
+    # A chunk is whole pages, and no wider than a block-table row: a short table gathers no
+    # keys past its end.
+    pages_per_chunk = min(max(1, key_chunk // page_size), pages_per_row)
+    chunk = pages_per_chunk * page_size
+    # Keys and values are gathered a page at a time, one index per page_size slots, from the
+    # caches viewed as [pages, page_size, K, H].
+    k_pages = k_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
+    v_pages = v_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
 
-    def attend_tile(args):
-        q_tNH, pos_t, req_t = args
+    def attend(q_tNH, pos_t, valid_t, table_M, seq_len):
+        """One query block, tokens of one row (where `valid_t`), against that row's keys."""
         tile = q_tNH.shape[0]
-        q_tKGH = q_tNH.reshape(tile, num_kv_heads, group, head_dim)
-        table_tM = block_table_RM[req_t]
-        seq_len_t = seq_lens_R[req_t]
+        q_KtGH = q_tNH.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
 
         def one_chunk(c, carry):
-            max_tKG, sum_tKG, acc_tKGH = carry
+            max_KtG, sum_KtG, acc_KtGH = carry
             key_pos_C = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            pages_C = jnp.minimum(key_pos_C // page_size, last_page)
-            if one_row:  # keys shared by every token: [C, K, H]
-                slots = block_table_RM[0, pages_C] * page_size + key_pos_C % page_size
-                keys, key_dims = k_slots_XKH[slots], "ckh"
-                values = v_slots_XKH[slots]
-            else:  # keys of each token's own row: [t, C, K, H]
-                slots = (jnp.take_along_axis(table_tM, jnp.broadcast_to(pages_C, (tile, chunk)), axis=-1) * page_size
-                         + key_pos_C % page_size)
-                keys, key_dims = k_slots_XKH[slots], "tckh"
-                values = v_slots_XKH[slots]
-            mask_tC = position_mask(pos_t, key_pos_C, rule) & (key_pos_C[None] < seq_len_t[:, None])
-            scores = jnp.einsum(f"tkgh,{key_dims}->tkgc", q_tKGH, keys, preferred_element_type=jnp.float32)
-            scores = jnp.where(mask_tC[:, None, None], scores * head_dim**-0.5, -jnp.inf)
-            new_max = jnp.maximum(max_tKG, jnp.max(scores, axis=-1, initial=-1e30))
+            pages_P = table_M[jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), pages_per_row - 1)]
+            keys_KCH = k_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
+            values_KCH = v_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
+            mask_tC = position_mask(pos_t, key_pos_C, rule) & (key_pos_C < seq_len)[None]
+            scores = jnp.einsum("ktgh,kch->ktgc", q_KtGH, keys_KCH, preferred_element_type=jnp.float32)
+            scores = jnp.where(mask_tC[None, :, None], scores * head_dim**-0.5, -jnp.inf)
+            new_max = jnp.maximum(max_KtG, jnp.max(scores, axis=-1, initial=-1e30))
             probs = jnp.exp(scores - new_max[..., None])
-            rescale = jnp.exp(max_tKG - new_max)
-            acc_tKGH = acc_tKGH * rescale[..., None] + jnp.einsum(
-                f"tkgc,{key_dims}->tkgh", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
+            rescale = jnp.exp(max_KtG - new_max)
+            acc_KtGH = acc_KtGH * rescale[..., None] + jnp.einsum(
+                "ktgc,kch->ktgh", probs.astype(values_KCH.dtype), values_KCH, preferred_element_type=jnp.float32
             )
-            return new_max, sum_tKG * rescale + probs.sum(-1), acc_tKGH
+            return new_max, sum_KtG * rescale + probs.sum(-1), acc_KtGH
 
         init = (
-            jnp.full((tile, num_kv_heads, group), -1e30, jnp.float32),
-            jnp.zeros((tile, num_kv_heads, group), jnp.float32),
-            jnp.zeros((tile, num_kv_heads, group, head_dim), jnp.float32),
+            jnp.full((num_kv_heads, tile, group), -1e30, jnp.float32),
+            jnp.zeros((num_kv_heads, tile, group), jnp.float32),
+            jnp.zeros((num_kv_heads, tile, group, head_dim), jnp.float32),
         )
-        num_chunks = (jnp.max(seq_len_t) + chunk - 1) // chunk
-        _, sum_tKG, acc_tKGH = jax.lax.fori_loop(0, num_chunks, one_chunk, init)
-        out_tKGH = acc_tKGH / jnp.maximum(sum_tKG, 1e-30)[..., None]
-        return out_tKGH.reshape(q_tNH.shape).astype(q_TNH.dtype)
+        if pages_per_chunk == pages_per_row:  # the whole row is one chunk: no loop to compile
+            _, sum_KtG, acc_KtGH = one_chunk(0, init)
+        else:
+            first_chunk, end_chunk = _visible_chunks(pos_t, valid_t, seq_len, rule, chunk)
+            _, sum_KtG, acc_KtGH = jax.lax.fori_loop(first_chunk, end_chunk, one_chunk, init)
+        out_KtGH = acc_KtGH / jnp.maximum(sum_KtG, 1e-30)[..., None]
+        return out_KtGH.transpose(1, 0, 2, 3).reshape(q_tNH.shape).astype(q_TNH.dtype)
 
-    if num_tokens <= token_tile:
-        return attend_tile((q_TNH, q_positions_T, q_req_T))
-    num_tiles = -(-num_tokens // token_tile)
-    pad = num_tiles * token_tile - num_tokens
+    if num_rows == 1:  # every token reads the same keys: tiles of consecutive tokens
+        table_M, seq_len = block_table_RM[0], seq_lens_R[0]
+        if num_tokens <= token_tile:
+            return attend(q_TNH, q_positions_T, jnp.ones((num_tokens,), bool), table_M, seq_len)
+        num_tiles = -(-num_tokens // token_tile)
+        pad = num_tiles * token_tile - num_tokens
 
-    def tiles(x):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(num_tiles, token_tile, *x.shape[1:])
+        def tiles(x):
+            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+            return x.reshape(num_tiles, token_tile, *x.shape[1:])
 
-    out = jax.lax.map(attend_tile, (tiles(q_TNH), tiles(q_positions_T), tiles(q_req_T)))
-    return out.reshape(num_tiles * token_tile, num_heads, head_dim)[:num_tokens]
+        valid = tiles(jnp.ones((num_tokens,), bool))
+        out = jax.lax.map(lambda a: attend(*a, table_M, seq_len), (tiles(q_TNH), tiles(q_positions_T), valid))
+        return out.reshape(num_tiles * token_tile, num_heads, head_dim)[:num_tokens]
+
+    tile = max(1, min(token_tile, -(-num_tokens // num_rows)))  # <= num_tokens
+    i_t = jnp.arange(tile, dtype=jnp.int32)
+
+    def one_block(carry):
+        """The query block starting at token `start`: tokens from it on while in its row."""
+        start, out_TNH = carry
+        at = jnp.minimum(start, num_tokens - tile)  # the window [at, at + tile) holds start
+        row = q_req_T[start]
+        ahead_t = i_t >= start - at
+        other_t = ahead_t & (jax.lax.dynamic_slice_in_dim(q_req_T, at, tile) != row)
+        valid_t = ahead_t & (i_t < jnp.min(jnp.where(other_t, i_t, tile)))
+        out_tNH = attend(jax.lax.dynamic_slice_in_dim(q_TNH, at, tile),
+                         jax.lax.dynamic_slice_in_dim(q_positions_T, at, tile), valid_t,
+                         block_table_RM[row], seq_lens_R[row])
+        out_tNH = jnp.where(valid_t[:, None, None], out_tNH, jax.lax.dynamic_slice_in_dim(out_TNH, at, tile))
+        return start + jnp.sum(valid_t), jax.lax.dynamic_update_slice_in_dim(out_TNH, out_tNH, at, 0)
+
+    init = (jnp.int32(0), jnp.zeros_like(q_TNH))
+    return jax.lax.while_loop(lambda carry: carry[0] < num_tokens, one_block, init)[1]
+
+
+def _visible_chunks(pos_t, valid_t, seq_len, rule: LayerAttention, chunk: int):
+    """(first, end) key chunks that the valid tokens of a query block may see: keys from
+    `min position - W + 1` (windowed rules) to `max position` (causal), `max position + W - 1`
+    (non-causal windowed) or `seq_len - 1`. The chunks outside are fully masked, so skipping
+    them changes no output; it keeps a long prompt's early tiles, and a windowed layer's
+    tokens, from walking every chunk of their row."""
+    end = jnp.where(jnp.any(valid_t), seq_len, 0)
+    if rule.causal:
+        end = jnp.minimum(end, jnp.max(jnp.where(valid_t, pos_t, -1)) + 1)
+    elif rule.window is not None:
+        end = jnp.minimum(end, jnp.max(jnp.where(valid_t, pos_t, -rule.window)) + rule.window)
+    end_chunk = (jnp.maximum(end, 0) + chunk - 1) // chunk
+    if rule.window is None:
+        return 0, end_chunk
+    lowest = jnp.min(jnp.where(valid_t, pos_t, jnp.iinfo(jnp.int32).max))
+    return jnp.minimum(jnp.maximum(lowest - rule.window + 1, 0) // chunk, end_chunk), end_chunk
