@@ -10,12 +10,12 @@ from pallas_kernels.attention_mask import LayerAttention, position_mask
 
 
 def paged_attention_reference(
-    q_TNH,
+    q_TUH,
     q_positions_T,
     q_req_T,
     k_slots_XKH,
     v_slots_XKH,
-    block_table_RM,
+    block_table_RP,
     seq_lens_R,
     *,
     page_size: int,
@@ -33,8 +33,8 @@ def paged_attention_reference(
     in query blocks of consecutive tokens of one row, and each query block walks its row's
     keys in chunks (an online softmax), only the chunks its tokens can see
     (`_visible_chunks`), so gathered keys stay `[key_chunk, K, H]`. A query block's tokens
-    share that gather: its scores are one matrix product per kv head, `[t * G, H] x [H, C]`.
-    Gathering keys per token instead (`[t, C, K, H]`, as this function once did for several
+    share that gather: its scores are one matrix product per kv head, `[t * G, H] x [H, L]`.
+    Gathering keys per token instead (`[t, L, K, H]`, as this function once did for several
     rows) made each token a matrix-vector product against its own copy of the keys, which
     XLA CPU runs poorly: a few requests' verify blocks in one batch cost several times those
     blocks run one request at a time.
@@ -52,10 +52,11 @@ def paged_attention_reference(
     program. For the same reason a block table no wider than one chunk (the tests', a small
     `generate` call's) is one plain softmax with no loop over chunks.
 
-    Below, t is the tokens of one query block and P the pages of one key chunk.
+    Below, t (a local letter) is the tokens of one query block, L the key positions of one
+    chunk and P its pages; the other letters as in docs/ARCHITECTURE.md.
     """
-    num_tokens, num_heads, head_dim = q_TNH.shape
-    num_rows, pages_per_row = block_table_RM.shape
+    num_tokens, num_heads, head_dim = q_TUH.shape
+    num_rows, pages_per_row = block_table_RP.shape
     num_kv_heads = k_slots_XKH.shape[1]
     group = num_heads // num_kv_heads
     # A chunk is whole pages, and no wider than a block-table row: a short table gathers no
@@ -67,25 +68,25 @@ def paged_attention_reference(
     k_pages = k_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
     v_pages = v_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
 
-    def attend(q_tNH, pos_t, valid_t, table_M, seq_len):
+    def attend(q_tUH, pos_t, valid_t, table_P, seq_len):
         """One query block, tokens of one row (where `valid_t`), against that row's keys."""
-        tile = q_tNH.shape[0]
-        q_KtGH = q_tNH.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+        tile = q_tUH.shape[0]
+        q_KtGH = q_tUH.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
 
         def one_chunk(c, carry):
             max_KtG, sum_KtG, acc_KtGH = carry
-            key_pos_C = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            pages_P = table_M[jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), pages_per_row - 1)]
-            keys_KCH = k_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
-            values_KCH = v_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
-            mask_tC = position_mask(pos_t, key_pos_C, rule) & (key_pos_C < seq_len)[None]
-            scores = jnp.einsum("ktgh,kch->ktgc", q_KtGH, keys_KCH, preferred_element_type=jnp.float32)
-            scores = jnp.where(mask_tC[None, :, None], scores * head_dim**-0.5, -jnp.inf)
+            key_pos_L = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            pages_P = table_P[jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), pages_per_row - 1)]
+            keys_KLH = k_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
+            values_KLH = v_pages[pages_P].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
+            mask_tL = position_mask(pos_t, key_pos_L, rule) & (key_pos_L < seq_len)[None]
+            scores = jnp.einsum("ktgh,klh->ktgl", q_KtGH, keys_KLH, preferred_element_type=jnp.float32)
+            scores = jnp.where(mask_tL[None, :, None], scores * head_dim**-0.5, -jnp.inf)
             new_max = jnp.maximum(max_KtG, jnp.max(scores, axis=-1, initial=-1e30))
             probs = jnp.exp(scores - new_max[..., None])
             rescale = jnp.exp(max_KtG - new_max)
             acc_KtGH = acc_KtGH * rescale[..., None] + jnp.einsum(
-                "ktgc,kch->ktgh", probs.astype(values_KCH.dtype), values_KCH, preferred_element_type=jnp.float32
+                "ktgl,klh->ktgh", probs.astype(values_KLH.dtype), values_KLH, preferred_element_type=jnp.float32
             )
             return new_max, sum_KtG * rescale + probs.sum(-1), acc_KtGH
 
@@ -100,12 +101,12 @@ def paged_attention_reference(
             first_chunk, end_chunk = _visible_chunks(pos_t, valid_t, seq_len, rule, chunk)
             _, sum_KtG, acc_KtGH = jax.lax.fori_loop(first_chunk, end_chunk, one_chunk, init)
         out_KtGH = acc_KtGH / jnp.maximum(sum_KtG, 1e-30)[..., None]
-        return out_KtGH.transpose(1, 0, 2, 3).reshape(q_tNH.shape).astype(q_TNH.dtype)
+        return out_KtGH.transpose(1, 0, 2, 3).reshape(q_tUH.shape).astype(q_TUH.dtype)
 
     if num_rows == 1:  # every token reads the same keys: tiles of consecutive tokens
-        table_M, seq_len = block_table_RM[0], seq_lens_R[0]
+        table_P, seq_len = block_table_RP[0], seq_lens_R[0]
         if num_tokens <= token_tile:
-            return attend(q_TNH, q_positions_T, jnp.ones((num_tokens,), bool), table_M, seq_len)
+            return attend(q_TUH, q_positions_T, jnp.ones((num_tokens,), bool), table_P, seq_len)
         num_tiles = -(-num_tokens // token_tile)
         pad = num_tiles * token_tile - num_tokens
 
@@ -114,7 +115,7 @@ def paged_attention_reference(
             return x.reshape(num_tiles, token_tile, *x.shape[1:])
 
         valid = tiles(jnp.ones((num_tokens,), bool))
-        out = jax.lax.map(lambda a: attend(*a, table_M, seq_len), (tiles(q_TNH), tiles(q_positions_T), valid))
+        out = jax.lax.map(lambda a: attend(*a, table_P, seq_len), (tiles(q_TUH), tiles(q_positions_T), valid))
         return out.reshape(num_tiles * token_tile, num_heads, head_dim)[:num_tokens]
 
     tile = max(1, min(token_tile, -(-num_tokens // num_rows)))  # <= num_tokens
@@ -122,19 +123,19 @@ def paged_attention_reference(
 
     def one_block(carry):
         """The query block starting at token `start`: tokens from it on while in its row."""
-        start, out_TNH = carry
+        start, out_TUH = carry
         at = jnp.minimum(start, num_tokens - tile)  # the window [at, at + tile) holds start
         row = q_req_T[start]
         ahead_t = i_t >= start - at
         other_t = ahead_t & (jax.lax.dynamic_slice_in_dim(q_req_T, at, tile) != row)
         valid_t = ahead_t & (i_t < jnp.min(jnp.where(other_t, i_t, tile)))
-        out_tNH = attend(jax.lax.dynamic_slice_in_dim(q_TNH, at, tile),
+        out_tUH = attend(jax.lax.dynamic_slice_in_dim(q_TUH, at, tile),
                          jax.lax.dynamic_slice_in_dim(q_positions_T, at, tile), valid_t,
-                         block_table_RM[row], seq_lens_R[row])
-        out_tNH = jnp.where(valid_t[:, None, None], out_tNH, jax.lax.dynamic_slice_in_dim(out_TNH, at, tile))
-        return start + jnp.sum(valid_t), jax.lax.dynamic_update_slice_in_dim(out_TNH, out_tNH, at, 0)
+                         block_table_RP[row], seq_lens_R[row])
+        out_tUH = jnp.where(valid_t[:, None, None], out_tUH, jax.lax.dynamic_slice_in_dim(out_TUH, at, tile))
+        return start + jnp.sum(valid_t), jax.lax.dynamic_update_slice_in_dim(out_TUH, out_tUH, at, 0)
 
-    init = (jnp.int32(0), jnp.zeros_like(q_TNH))
+    init = (jnp.int32(0), jnp.zeros_like(q_TUH))
     return jax.lax.while_loop(lambda carry: carry[0] < num_tokens, one_block, init)[1]
 
 
