@@ -109,7 +109,7 @@ def _per_row(param, logits) -> jax.Array:
 
 # When every truncating row has 0 < top_k <= this, top-k/top-p rank only the top TOP_K_FAST
 # candidates. XLA's GPU TopK kernel covers k <= 16; a larger k falls back to a full sort, several
-# times slower (bench/NOTES.md), so other rows take `threshold_truncation_mask` instead,
+# times slower (bench/LESSONS.md), so other rows take `threshold_truncation_mask` instead,
 # which needs no ranking at all.
 TOP_K_FAST = 16
 

@@ -4,7 +4,7 @@ interpret mode on CPU), beside its jnp reference.
 
 After the q/k/v product, XLA makes ~7 small kernels of a decode step's layer: the two head
 norms (a reduction and a scaling each), the rotations, and a scatter per cache. At batch 1
-each costs a few microseconds, and a deep model pays them in every layer (bench/NOTES.md).
+each costs a few microseconds, and a deep model pays them in every layer (bench/LESSONS.md).
 Here one program per (token, head) loads its head once, and writes either
 the finished query or its cache row; the caches are aliased to the outputs, so the write
 updates them in place.

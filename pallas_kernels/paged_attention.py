@@ -388,7 +388,7 @@ def paged_attention_pallas(
     if splits == 1:
         return outs[0].reshape(T, U, H)
     # The flash-decoding epilogue, left to XLA: as one Pallas kernel (a program per query row)
-    # it was slower than XLA's fused kernels (bench/NOTES.md). s: key splits.
+    # it was slower than XLA's fused kernels (bench/LESSONS.md). s: key splits.
     acc_sMH = outs[0].reshape(splits, rows, H)
     max_sM, sum_sM = outs[1].reshape(splits, rows), outs[2].reshape(splits, rows)
     weight_sM = jnp.exp(max_sM - jnp.max(max_sM, axis=0))

@@ -40,7 +40,7 @@ class Drafter(nnx.Module):
     def context_kv(self, features_LF, positions_L):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
         XLA copies the layers' K/V columns into that stack each call; a product per layer is
-        no better, as it copies each layer's column slice instead (bench/NOTES.md). On a
+        no better, as it copies each layer's column slice instead (bench/LESSONS.md). On a
         tensor-parallel mesh the stack is laid out per shard (`Attention.kv_weights`), so each
         shard computes its own kv heads.
 

@@ -55,7 +55,7 @@ class Target(nnx.Module):
 
         XLA CPU multiplies a few float32 rows by the [V, D] table transposed more slowly than
         by a [D, V] copy, and a DFlash cycle pays it twice (verify and draft heads); in
-        bfloat16 the [V, D] table is the faster one: no copy (bench/NOTES.md). `load_target`
+        bfloat16 the [V, D] table is the faster one: no copy (bench/LESSONS.md). `load_target`
         calls this on CPU backends."""
         if self.cfg.tie_word_embeddings and self.dtype == jnp.float32:
             self.head_DV = DerivedWeight(jnp.transpose(self.embed_tokens.embedding[...]))
