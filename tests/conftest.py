@@ -26,11 +26,9 @@ dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 # folder the first process makes and the workers it starts inherit, compiles each once.
 # Only this process uses it: commands run as subprocesses keep their own (their tests check it).
 TEST_COMPILE_CACHE_ENV = "DFLASH_JAX_TEST_COMPILE_CACHE"
-if TEST_COMPILE_CACHE_ENV not in os.environ:
+OWNS_TEST_COMPILE_CACHE = TEST_COMPILE_CACHE_ENV not in os.environ
+if OWNS_TEST_COMPILE_CACHE:
     os.environ[TEST_COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="dflash-jax-test-xla-")
-    OWNS_TEST_COMPILE_CACHE = True
-else:
-    OWNS_TEST_COMPILE_CACHE = False
 
 
 def pytest_configure(config):
