@@ -80,11 +80,11 @@ class DecodeState:
         draft_caches = ()
         if cfg.num_drafts:
             groups = DraftCacheGroups.for_drafter(models[1].cfg)
-            draft_caches = tuple(PagedKVCache.for_model(models[1], len(layers), pages, page_size)
+            draft_caches = tuple(PagedKVCache.for_model(models[1], len(layers), pages, page_size, cfg.kernels)
                                  for layers, pages in zip(groups.layers, draft_pages))
         vocab = target.cfg.vocab_size if cfg.keeps_draft_probs else 0
         return cls(
-            target_cache=PagedKVCache.for_model(target, target.cfg.num_layers, target_pages, page_size),
+            target_cache=PagedKVCache.for_model(target, target.cfg.num_layers, target_pages, page_size, cfg.kernels),
             draft_caches=draft_caches,
             drafts_SN=jnp.zeros((num_slots, cfg.num_drafts), jnp.int32),
             draft_probs_SNV=jnp.zeros((num_slots, cfg.num_drafts, vocab), jnp.float32),

@@ -288,6 +288,12 @@ class Engine:
         """How many of `self.programs` are compiled (by this engine or one of the same models and sizes)."""
         return sum(map(self.is_compiled, self.programs))
 
+    def memory_analysis(self, program: Program):
+        """The compiled `program`'s memory statistics (XLA's: argument, output, alias and
+        temporary bytes), compiling it if need be. Its temporary bytes stay far below the
+        caches' when the step updates them in place, as it should."""
+        return self._executable(program).memory_analysis()
+
     @staticmethod
     def num_traces() -> int:
         """How many step programs have been traced (compiled) in this process."""

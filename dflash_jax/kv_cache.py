@@ -1,6 +1,7 @@
 """Paged KV caches (device arrays) and the host-side page allocator.
 
-A cache holds, per layer, keys and values as flat slot arrays `[num_pages * page_size, K, H]`:
+A cache holds, per layer, keys and values as flat slot arrays `[num_pages * page_size, K, H]`
+(of the values' dtype, or of their bits: `storage_dtype`):
 slot `page * page_size + offset` holds one token. A request's page table row lists its
 pages; position p lives at slot `page_table[p // page_size] * page_size + p % page_size`.
 Page 0 is the null page: never handed out, so block-table padding points at it harmlessly.
@@ -16,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kernels import Kernels
 from dflash_jax.sharding import kv_cache_sharding
+from pallas_kernels.common import stored_as_bits
 from pallas_kernels.finish_heads import write_slots
 
 
@@ -44,13 +47,14 @@ class PagedKVCache:
         )
 
     @classmethod
-    def for_model(cls, model, num_layers: int, num_pages: int, page_size: int) -> PagedKVCache:
+    def for_model(cls, model, num_layers: int, num_pages: int, page_size: int, kernels: Kernels) -> PagedKVCache:
         """A zeroed cache for `num_layers` layers shaped like `model`'s attention, split by kv
-        head over the model's mesh if it has one (`sharding.kv_cache_sharding`)."""
+        head over the model's mesh if it has one (`sharding.kv_cache_sharding`), stored as
+        `kernels` read and write it best (`storage_dtype`)."""
         return cls.zeros(
             num_layers=num_layers, num_pages=num_pages, page_size=page_size,
-            num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim, dtype=model.dtype,
-            sharding=kv_cache_sharding(model.mesh),
+            num_kv_heads=model.cfg.num_kv_heads, head_dim=model.cfg.head_dim,
+            dtype=storage_dtype(model.dtype, kernels), sharding=kv_cache_sharding(model.mesh),
         )
 
     @property
@@ -68,6 +72,18 @@ class PagedKVCache:
             k=self.k[:layer] + (k,) + self.k[layer + 1 :],
             v=self.v[:layer] + (v,) + self.v[layer + 1 :],
         )
+
+
+def storage_dtype(dtype, kernels: Kernels) -> jnp.dtype:
+    """The dtype a cache of `dtype` values is stored in: their bits
+    (`pallas_kernels.common.stored_as_bits`) for 16-bit floats that only the jnp references
+    read and write on a CPU, so that a step writes its rows in place rather than copying
+    every layer's cache; the values' own dtype otherwise (the Pallas kernels' form)."""
+    kernels = kernels.resolve()
+    references_only = kernels.heads == kernels.attention == "reference"
+    if references_only and jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu":
+        return stored_as_bits(dtype)
+    return jnp.dtype(dtype)
 
 
 def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) -> int:

@@ -1,9 +1,12 @@
 """What the kernels here share: power-of-two sizes (Triton's block shapes; the runtime's
-buckets use them too) and a quiet jax 0.11 deprecation warning."""
+buckets use them too), caches stored as bits, and a quiet jax 0.11 deprecation warning."""
 
 from __future__ import annotations
 
 import warnings
+
+import jax
+import jax.numpy as jnp
 
 # jax 0.11 warns at every Triton-backend lowering; the kernels still compile and run.
 TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
@@ -24,3 +27,27 @@ def next_pow2(n: int) -> int:
 
 def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
+
+
+def stored_as_bits(dtype) -> jnp.dtype:
+    """The unsigned integer type of `dtype`'s width: how the jnp references can store a
+    16-bit float KV cache on a CPU, where XLA has no 16-bit float scatter and would widen the
+    whole cache to float32 and back around every write (two copies of the cache per layer
+    and step). Scatters and gathers of the bits are in place; only the rows read or written
+    are reinterpreted (`as_values`, `as_stored`)."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def as_values(x, dtype):
+    """`x` read as `dtype` values: reinterpreted if it holds their bits, else as it is."""
+    return jax.lax.bitcast_convert_type(x, dtype) if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else x
+
+
+def as_stored(rows, stored_dtype):
+    """`rows` in a cache's stored dtype: their bits for a cache of bits (same width), else cast."""
+    if not jnp.issubdtype(stored_dtype, jnp.unsignedinteger):
+        return rows.astype(stored_dtype)
+    if rows.dtype.itemsize != jnp.dtype(stored_dtype).itemsize:
+        raise ValueError(f"{rows.dtype} rows cannot go to a cache of {stored_dtype} bits; cast them to the "
+                         "cache's value dtype first.")
+    return jax.lax.bitcast_convert_type(rows, stored_dtype)

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, quiet_triton_deprecation
+from pallas_kernels.common import as_stored, next_pow2, quiet_triton_deprecation
 from pallas_kernels.rms_norm import add_rms_norm_reference
 
 
@@ -47,9 +47,10 @@ def finish_qkv_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, *
 
 
 def write_slots(cache_XKH, slots_T, rows_TKH):
-    """The cache with `rows_TKH` scattered to `slots_T`; slots < 0 (padding) write nothing."""
+    """The cache with `rows_TKH` scattered to `slots_T`; slots < 0 (padding) write nothing.
+    A cache stored as its values' bits (`common.stored_as_bits`) gets the rows' bits."""
     slots_T = jnp.where(slots_T < 0, cache_XKH.shape[0], slots_T)  # out of range -> dropped
-    return cache_XKH.at[slots_T].set(rows_TKH.astype(cache_XKH.dtype), mode="drop")
+    return cache_XKH.at[slots_T].set(as_stored(rows_TKH, cache_XKH.dtype), mode="drop")
 
 
 def finish_heads_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH, v_cache_XKH,

@@ -89,10 +89,11 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         return dict(s=per_call, first_run_s=first)
 
     def target_cache():
-        return PagedKVCache.for_model(target, tcfg.num_layers, num_pages, PAGE_SIZE)
+        return PagedKVCache.for_model(target, tcfg.num_layers, num_pages, PAGE_SIZE, kernels)
 
     def draft_caches():
-        return tuple(PagedKVCache.for_model(drafter, len(layers), num_pages, PAGE_SIZE) for layers in groups.layers)
+        return tuple(PagedKVCache.for_model(drafter, len(layers), num_pages, PAGE_SIZE, kernels)
+                     for layers in groups.layers)
 
     def ar_step(models, cache, batch_):
         cache, logits, _ = target_step(models[0], cache, batch_, (), kernels)
