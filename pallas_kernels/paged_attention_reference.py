@@ -64,13 +64,14 @@ def paged_attention_reference(
     # keys past its end.
     pages_per_chunk = min(max(1, key_chunk // page_size), pages_per_row)
     chunk = pages_per_chunk * page_size
-    # Keys and values are gathered a page at a time, one index per page_size slots, from the
-    # caches viewed as [pages, page_size, K, H] (caches stored as bits: read as q's dtype).
-    k_pages = k_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
-    v_pages = v_slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
-
-    def gather(pages, pages_P):
-        """The chunk's keys or values `[K, L, H]`, read through its pages `pages_P`."""
+    def gather(slots_XKH, pages_P):
+        """The chunk's keys or values `[K, L, H]`, gathered a page at a time (one index per
+        page_size slots) from the cache viewed as [pages, page_size, K, H], in q's dtype (a
+        cache stored as bits is read as values). The view is taken here, on what the loop
+        over chunks receives: the caches themselves, which the step also returns. Viewed
+        outside, one written row makes XLA write it twice, into the returned cache and into
+        a copy of the viewed one (each a copy of the whole cache)."""
+        pages = slots_XKH.reshape(-1, page_size, num_kv_heads, head_dim)
         chunk_LKH = as_values(pages[pages_P], q_TUH.dtype).reshape(chunk, num_kv_heads, head_dim)
         return chunk_LKH.transpose(1, 0, 2)
 
@@ -83,7 +84,7 @@ def paged_attention_reference(
             max_KtG, sum_KtG, acc_KtGH = carry
             key_pos_L = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
             pages_P = table_P[jnp.minimum(c * pages_per_chunk + jnp.arange(pages_per_chunk), pages_per_row - 1)]
-            keys_KLH, values_KLH = gather(k_pages, pages_P), gather(v_pages, pages_P)
+            keys_KLH, values_KLH = gather(k_slots_XKH, pages_P), gather(v_slots_XKH, pages_P)
             mask_tL = position_mask(pos_t, key_pos_L, rule) & (key_pos_L < seq_len)[None]
             scores = jnp.einsum("ktgh,klh->ktgl", q_KtGH, keys_KLH, preferred_element_type=jnp.float32)
             scores = jnp.where(mask_tL[None, :, None], scores * head_dim**-0.5, -jnp.inf)

@@ -59,20 +59,17 @@ def test_rows_of_another_width_are_refused():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the reference kernels' storage, on a CPU")
 def test_engine_steps_write_the_caches_in_place(tmp_path):
-    """A bfloat16 Engine at an 8192-position max length: its step program's temporary memory
-    is a small fraction of the caches (a step that copied them, as a float32 round trip around
-    a bfloat16 scatter does on a CPU, needs twice their size), and the same at max length 256."""
+    """A bfloat16 Engine at an 8192-position max length: every step program's temporary
+    memory is a small fraction of the caches. A step that copied them needs their size or
+    twice it: a float32 round trip around a bfloat16 scatter does that on a CPU, and so did
+    one-token steps whose attention read the caches through a view taken outside its loop."""
     target = dflash_jax.load_target(save_hf(make_hf_target(seed=1, max_position_embeddings=8192), tmp_path / "t"),
                                     dtype="bfloat16")
-    temps = {}
-    for max_model_len in (None, 256):
-        engine = dflash_jax.Engine(target, None, max_num_reqs=2, max_num_tokens=16, max_model_len=max_model_len)
-        cache = kv_cache_bytes(num_layers=target.cfg.num_layers, num_pages=engine.scheduler.allocator.num_pages,
-                               page_size=engine.page_size, num_kv_heads=target.cfg.num_kv_heads,
-                               head_dim=target.cfg.head_dim, dtype=target.dtype)
-        memory = engine.memory_analysis(engine.programs[0])
+    engine = dflash_jax.Engine(target, None, max_num_reqs=2, max_num_tokens=16)
+    cache = kv_cache_bytes(num_layers=target.cfg.num_layers, num_pages=engine.scheduler.allocator.num_pages,
+                           page_size=engine.page_size, num_kv_heads=target.cfg.num_kv_heads,
+                           head_dim=target.cfg.head_dim, dtype=target.dtype)
+    for program in engine.programs:
+        memory = engine.memory_analysis(program)
         assert memory.alias_size_in_bytes >= cache  # donated: the caches come back in their own buffers
-        temps[max_model_len] = memory.temp_size_in_bytes
-        if max_model_len is None:
-            assert memory.temp_size_in_bytes < cache / 8, (memory.temp_size_in_bytes, cache)
-    assert temps[None] <= 2 * temps[256] + (1 << 20)
+        assert memory.temp_size_in_bytes < cache / 8, (program, memory.temp_size_in_bytes, cache)
