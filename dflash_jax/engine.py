@@ -239,6 +239,15 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: 0 .. vocab_size - 1."""
+        return self._target.cfg.vocab_size
+
+    def is_waiting(self, request_id: int) -> bool:
+        """Whether the request waits for a slot (not admitted yet, or preempted)."""
+        return self._request(request_id).status is Status.WAITING
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -312,8 +321,11 @@ class Engine:
         program = self._program_for(work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
-        ints, floats = jax.device_put((inputs.ints, inputs.floats), self._whole)
-        self._state, packed = self._executable(program)(self._param_leaves(), self._state, ints, floats)
+        buffer = jax.device_put(inputs.buffer, self._whole)
+        self._state, packed = self._executable(program)(self._param_leaves(), self._state, buffer)
+        # Queue the tokens' copy to the host behind this step now: asked for at commit, after
+        # the next step's launch, it would wait for that step too, and no two steps would overlap.
+        packed.copy_to_host_async()
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
         return _Launched(work, packed)
@@ -350,8 +362,7 @@ class Engine:
         sizes has compiled it yet."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
-            return (*self._argument_shapes, _shape_of(inputs.ints, self._whole), _shape_of(inputs.floats, self._whole),
-                    inputs.layout, program.greedy)
+            return (*self._argument_shapes, _shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy)
 
         return self._executables.get(self._key(program), shapes)
 
@@ -472,10 +483,10 @@ def _executables(treedefs, cfg: CycleConfig) -> _Executables:
     thread than the steps). Parameters travel as flat lists of arrays (`flat_models`): no
     graph hashing or pytree flattening per step."""
 
-    def step(param_leaves, state, ints, floats, layout, greedy):
+    def step(param_leaves, state, buffer, layout, greedy):
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
-        batch, last_pos_R = unpack(ints, floats, layout)
+        batch, last_pos_R = unpack(buffer, layout)
         with jax.named_scope("fill_verify_rows"):
             batch = fill_verify_rows(batch, state)
             remaining_R = jnp.where(batch.remaining_R > 0, last_pos_R - batch.anchor_pos_R, 0)
@@ -488,7 +499,7 @@ def _executables(treedefs, cfg: CycleConfig) -> _Executables:
                                   committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
         return state, packed
 
-    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(4, 5)))
+    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)))
 
 
 def clear_compiled_programs() -> None:

@@ -1,7 +1,9 @@
 """The Engine's host -> device step inputs, declared once: what each field is, its shape and
-its padding value. The host fills one int32 and one float32 buffer row by row (numpy views
-named after the fields) and moves them to the device as two arrays, not one transfer per
-field; the step program cuts them apart again with the same static layout (`unpack`).
+its padding value. The host fills one int32 buffer row by row (numpy views named after the
+fields; the float32 fields are views of the same bytes) and moves it to the device as one
+array, one transfer per step; the step program cuts it apart again with the same static
+layout (`unpack`). Each step starts from a copy of its shapes' blank buffer, all padding, made
+once: building the views and padding anew is host time on every step.
 
 A verifying row's tokens, positions and KV slots, and its anchor position, come from the
 device state (`cycle.fill_verify_rows`): the host leaves them blank and never needs to know
@@ -10,6 +12,9 @@ a step's tokens to schedule the next one.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 
 from dflash_jax.cycle import CycleBatch, SamplingRows
@@ -40,36 +45,17 @@ FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0))
 
 
 class StepInputs:
-    """One step's inputs as numpy views into two buffers; `layout` (static) says where each
-    field lies, for `unpack`."""
+    """One step's inputs as numpy views into one int32 buffer; `layout` (static) says where
+    each field lies and of which dtype, for `unpack`."""
 
     def __init__(self, *, num_rows: int, num_tokens: int, num_query: int, pages_per_req: int, max_num_reqs: int,
                  num_window_groups: int, max_stop_ids: int):
-        sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "P": pages_per_req,
-                 "E": max_stop_ids}
-        int_fields = list(INT_FIELDS) + [(f"window_table_{i}", "RP", NULL_PAGE) for i in range(num_window_groups)]
-        self.ints, int_layout = self._buffer(int_fields, sizes, np.int32, pad_slot=max_num_reqs)
-        self.floats, float_layout = self._buffer(FLOAT_FIELDS, sizes, np.float32, pad_slot=max_num_reqs)
-        self.layout = (int_layout, float_layout)
+        blank, self.layout = _blank(num_rows, num_tokens, num_query, pages_per_req, max_num_reqs, num_window_groups,
+                                    max_stop_ids)
+        self.buffer = blank.copy()
+        for name, shape, offset, dtype in self.layout:
+            setattr(self, name, _view(self.buffer, shape, offset, dtype))
         self.window_tables = tuple(getattr(self, f"window_table_{i}") for i in range(num_window_groups))
-
-    def _buffer(self, fields, sizes, dtype, pad_slot):
-        """One buffer for `fields`, each also set as a named view; returns (buffer, layout)."""
-        shapes = [self._shape(letters, sizes) for _, letters, _ in fields]
-        counts = [int(np.prod(shape)) for shape in shapes]
-        buffer = np.empty(sum(counts), dtype)
-        layout, offset = [], 0
-        for (name, _, fill), shape, count in zip(fields, shapes, counts):
-            view = buffer[offset : offset + count].reshape(shape)
-            view[...] = pad_slot if fill is None else fill
-            setattr(self, name, view)
-            layout.append((name, shape, offset))
-            offset += count
-        return buffer, tuple(layout)
-
-    @staticmethod
-    def _shape(letters: str, sizes) -> tuple[int, ...]:
-        return (sizes[letters],) if letters in sizes else tuple(sizes[letter] for letter in letters)
 
     def fill(self, work: list[Work], num_query: int) -> None:
         """Rows for `work`, in order: each request's tokens (a prefill chunk) or blank verify
@@ -106,17 +92,44 @@ class StepInputs:
         self.query_start_loc[len(work) + 1 :] = start
 
 
-def unpack(ints, floats, layout) -> tuple[CycleBatch, object]:
-    """(the step's `CycleBatch`, each row's last position) from `StepInputs`' two buffers and
+@functools.lru_cache(maxsize=None)
+def _blank(num_rows, num_tokens, num_query, pages_per_req, max_num_reqs, num_window_groups, max_stop_ids):
+    """(the padding-filled buffer, the layout) of steps of these sizes; the buffer is copied, never written."""
+    sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "P": pages_per_req,
+             "E": max_stop_ids}
+    fields = [(name, letters, fill, "int32") for name, letters, fill in INT_FIELDS]
+    fields += [(f"window_table_{i}", "RP", NULL_PAGE, "int32") for i in range(num_window_groups)]
+    fields += [(name, letters, fill, "float32") for name, letters, fill in FLOAT_FIELDS]
+    shapes = [(sizes[letters],) if letters in sizes else tuple(sizes[letter] for letter in letters)
+              for _, letters, _, _ in fields]
+    counts = [int(np.prod(shape)) for shape in shapes]
+    blank = np.empty(sum(counts), np.int32)
+    layout, offset = [], 0
+    for (name, _, fill, dtype), shape, count in zip(fields, shapes, counts):
+        _view(blank, shape, offset, dtype)[...] = max_num_reqs if fill is None else fill
+        layout.append((name, shape, offset, dtype))
+        offset += count
+    return blank, tuple(layout)
+
+
+def _view(buffer, shape, offset: int, dtype: str):
+    """The field at `offset` of `shape` in the int32 `buffer` (numpy or jax), as `dtype`."""
+    field = buffer[offset : offset + int(np.prod(shape))]
+    if dtype != "int32":
+        field = field.view(dtype) if isinstance(field, np.ndarray) else jax.lax.bitcast_convert_type(field, dtype)
+    return field.reshape(shape)
+
+
+def unpack(buffer, layout) -> tuple[CycleBatch, object]:
+    """(the step's `CycleBatch`, each row's last position) from `StepInputs`' buffer and
     static layout. The batch's `remaining_R` holds the rows' `samples` flags: the step turns
     them into counts once the verify rows' anchor positions are known."""
-    f = {name: buffer[offset : offset + int(np.prod(shape))].reshape(shape)
-         for buffer, fields in zip((ints, floats), layout) for name, shape, offset in fields}
+    f = {name: _view(buffer, shape, offset, dtype) for name, shape, offset, dtype in layout}
     target = TargetBatch(
         token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,  # `fill_verify_rows`
         query_start_loc=f["query_start_loc"], page_table=f["page_table"], logits_rows=f["verify_rows"].reshape(-1),
     )
-    window_tables = tuple(f[name] for name, _, _ in layout[0] if name.startswith("window_table_"))
+    window_tables = tuple(f[name] for name, _, _, _ in layout if name.startswith("window_table_"))
     batch = CycleBatch(
         target=target, draft_page_tables=(f["page_table"], *window_tables), slots_R=f["slot"],
         verify_rows_RQ=f["verify_rows"], anchor_pos_R=f["anchor_pos"], verifying_R=f["verifying"] != 0,

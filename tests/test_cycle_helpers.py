@@ -302,17 +302,15 @@ def test_step_inputs_fill():
     assert inputs.seeds.tolist() == [11, 0, 0]
     assert inputs.temperature.tolist() == [0.5, 0.0, 0.0]
     assert inputs.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0])
-    # The named fields are views of the two buffers that travel to the device.
-    assert inputs.ints.ndim == 1 and inputs.ints.dtype == np.int32 and inputs.floats.dtype == np.float32
-    for name in ("tokens", "page_table", "stop_ids", "seeds", "window_table_0"):
-        assert np.shares_memory(getattr(inputs, name), inputs.ints), name
-    assert np.shares_memory(inputs.top_p, inputs.floats)
+    # The named fields are views of the one buffer that travels to the device (floats too).
+    assert inputs.buffer.ndim == 1 and inputs.buffer.dtype == np.int32 and inputs.top_p.dtype == np.float32
+    for name in ("tokens", "page_table", "stop_ids", "seeds", "window_table_0", "temperature", "top_p"):
+        assert np.shares_memory(getattr(inputs, name), inputs.buffer), name
 
 
 def test_unpack_round_trip_under_jit():
     inputs = filled_step_inputs()
-    batch, last_pos_R = jax.jit(unpack, static_argnums=2)(jnp.asarray(inputs.ints), jnp.asarray(inputs.floats),
-                                                          inputs.layout)
+    batch, last_pos_R = jax.jit(unpack, static_argnums=1)(jnp.asarray(inputs.buffer), inputs.layout)
     assert as_list(last_pos_R) == [14, 136, 0]
     target = batch.target
     assert as_list(target.token_ids) == inputs.tokens.tolist()
@@ -340,7 +338,7 @@ def test_unpack_round_trip_under_jit():
 
 def test_fill_verify_rows_takes_verify_rows_from_the_state():
     inputs = filled_step_inputs()
-    batch, _ = unpack(jnp.asarray(inputs.ints), jnp.asarray(inputs.floats), inputs.layout)
+    batch, _ = unpack(jnp.asarray(inputs.buffer), inputs.layout)
     state = DecodeState(
         target_cache=PagedKVCache((), (), PAGE),  # only its page size is read
         draft_caches=(),
@@ -442,3 +440,13 @@ def test_draft_layouts_rows_for_each_cache_group():
         assert as_list(layout.query_start_loc) == [0, 4, 8, 12]
         # seq_lens = last valid + 1 + 4: 12, 9, 20 (under max_model_len + D = 21: no clamp).
         assert as_list(layout.seq_lens) == [12, 9, 20]
+
+
+def test_each_step_inputs_start_blank():
+    """Steps of the same sizes share one blank buffer, copied: what one step filled is not the next one's."""
+    first = filled_step_inputs()
+    second = StepInputs(num_rows=3, num_tokens=12, num_query=3, pages_per_req=4, max_num_reqs=4,
+                        num_window_groups=1, max_stop_ids=3)
+    assert not np.shares_memory(first.buffer, second.buffer)
+    assert second.tokens.tolist() == [0] * 12 and second.slot.tolist() == [4, 4, 4]  # padding: slot S
+    assert second.top_p.tolist() == [1.0] * 3 and second.stop_ids.tolist() == [[-1] * 3] * 3
