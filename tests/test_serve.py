@@ -7,7 +7,10 @@ runs unchanged, and a stop request drains the requests in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import signal
 import socket
 import threading
 import time
@@ -66,7 +69,7 @@ def served(tmp_path_factory):
     tokenizer = ChatTokenizer(target_dir)
     # Programs compile as the tests need them (a CPU CI budget); `serve` itself precompiles.
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16)
-    server = make_server(engine, tokenizer, ModelInfo(MODEL, MAX_MODEL_LEN, 4), max_queue=32, shutdown_timeout_s=20,
+    server = make_server(engine, tokenizer, ModelInfo(MODEL, MAX_MODEL_LEN, 4), max_queue=32, shutdown_timeout_s=120,
                          log_level="warning")
     sock = bind("127.0.0.1", 0)
     server.port = sock.getsockname()[1]
@@ -205,6 +208,8 @@ def test_stop_strings_and_stop_token_ids(served, client):
     expected = full[: full.index(stop)]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop, "@@@"])
     assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    # One character a token: the answer's tokens run to the one completing the stop string, not past it.
+    assert out.usage.completion_tokens == full.index(stop) + len(stop)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=stop, stream=True))
     assert streamed == expected
@@ -227,7 +232,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": "a" * 200, "max_tokens": 100}, "max_tokens"),
-    ("/v1/completions", {"prompt": [5, 999]}, None),  # outside the vocabulary: the Engine refuses it
+    ("/v1/completions", {"prompt": [5, 999]}, "prompt"),  # outside the vocabulary
+    ("/v1/completions", {"prompt": [5, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [999]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),  # no coercion of strings or bools
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
@@ -235,7 +247,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "frobnicate": True}, "frobnicate"),
-    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, "model"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
      "tools"),
@@ -252,6 +263,52 @@ def test_bad_requests_get_400_in_openai_shape(served, route, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_unknown_model_is_404_model_not_found(served, client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="a")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("body, said", [
+    (b'{"prompt": "a", "temperature": NaN}', "finite"),
+    (b'{"prompt": "a\\ud800b"}', "not valid JSON"),  # a lone UTF-16 surrogate
+    (b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "not valid JSON"),  # nesting past the parser's limit
+    (b"[1, 2]", "JSON object"),
+])
+def test_malformed_bodies_are_400_and_counted(served, body, said):
+    before = metric_values(served[0])
+    response = httpx.post(base_url(served[0]) + "/v1/completions", content=body, timeout=300)
+    assert response.status_code == 400 and said in response.json()["error"]["message"], response.text
+    after = metric_values(served[0])
+    key = ("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))
+    assert after[key] == before.get(key, 0) + 1
+
+
+def test_oversized_body_is_413_and_others_are_served(served, client):
+    """Past the limit the body is refused as it arrives (no Content-Length to trust either)."""
+    app_limit = 4 << 20
+    huge = b'{"prompt": "' + b"a" * (app_limit + 1) + b'"}'
+    for declared in (True, False):
+        content = huge if declared else iter([huge[i : i + 65536] for i in range(0, len(huge), 65536)])
+        response = httpx.post(base_url(served[0]) + "/v1/completions", content=content, timeout=300)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_uncaught_errors_are_500_and_counted(served, monkeypatch):
+    server = served[0]
+    monkeypatch.setattr(server.engine_loop, "submit", _raise_bug)
+    before = metric_values(server)
+    response = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "a"}, timeout=300)
+    assert response.status_code == 500 and "injected bug" in response.json()["error"]["message"]
+    key = ("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "500")))
+    assert metric_values(server)[key] == before.get(key, 0) + 1
+
+
+async def _raise_bug(*args):
+    raise RuntimeError("injected bug")
 
 
 def test_wrong_routes_and_bodies(served, client):
@@ -276,15 +333,13 @@ def test_full_queue_answers_429(served, client):
     assert response.json()["error"]["type"] == "rate_limit_error"
 
 
-def test_disconnect_mid_stream_aborts_the_request(served):
-    """The engine is held between steps while the client leaves, so the request cannot run to
-    its end first; then it must be aborted, not finished."""
-    server = served[0]
-    loop = server.engine_loop
-    engine, real_step = loop.engine, loop.engine.step
+@contextlib.contextmanager
+def held_engine(loop):
+    """(gate, aborted): the loop's engine steps only while `gate` is set (it starts set), and
+    `aborted` is set once anything asks the loop to abort a request."""
+    engine, real_step, real_abort = loop.engine, loop.engine.step, loop.abort
     gate, aborted = threading.Event(), threading.Event()
     gate.set()
-    real_abort = loop.abort
 
     def gated_step():
         assert gate.wait(60)
@@ -294,9 +349,21 @@ def test_disconnect_mid_stream_aborts_the_request(served):
         aborted.set()
         real_abort(handle, reason)
 
-    before = metric_values(server)
     engine.step, loop.abort = gated_step, watched_abort
     try:
+        yield gate, aborted
+    finally:
+        gate.set()
+        del engine.step, loop.abort
+
+
+def test_disconnect_mid_stream_aborts_the_request(served):
+    """The engine is held between steps while the client leaves, so the request cannot run to
+    its end first; then it must be aborted, not finished."""
+    server = served[0]
+    loop = server.engine_loop
+    before = metric_values(server)
+    with held_engine(loop) as (gate, aborted):
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "temperature": 0, "stream": True}
         with httpx.Client(timeout=300) as http:
             with http.stream("POST", base_url(server) + "/v1/completions", json=body) as response:
@@ -305,14 +372,33 @@ def test_disconnect_mid_stream_aborts_the_request(served):
         assert aborted.wait(30), "the server did not notice the disconnect"
         gate.set()
         assert loop.idle.wait(30)
-    finally:
-        gate.set()
-        del engine.step, loop.abort
     after = metric_values(server)
     finished = lambda m, reason: m.get(("dflash_requests_finished_total", (("reason", reason),)), 0)
     assert finished(after, "abort") == finished(before, "abort") + 1
     assert finished(after, "length") == finished(before, "length")
-    assert not engine.has_unfinished()
+    assert not loop.engine.has_unfinished()
+
+
+def test_plain_answer_client_gone_aborts_without_tracebacks(served, caplog):
+    """A non-streaming client that leaves while its answer is generated: the request is
+    aborted and nothing is logged as an error (by the app or by uvicorn)."""
+    server = served[0]
+    loop = server.engine_loop
+    uvicorn_log = logging.getLogger("uvicorn")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with held_engine(loop) as (gate, aborted):
+            gate.clear()
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base_url(server) + "/v1/completions", json={"prompt": "abc", "max_tokens": 200},
+                           timeout=httpx.Timeout(300, read=2))
+            assert aborted.wait(30), "the server did not notice the client leave"
+            gate.set()
+            assert loop.idle.wait(30)
+            time.sleep(0.5)  # anything logged about the answer nobody reads is logged by now
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_failing_step_fails_its_requests_and_serving_goes_on(served, client):
@@ -377,27 +463,63 @@ def test_zlab_dflash_generate_openai_runs_unchanged(served, capsys):
         assert round(meta["spec_accept_length"] * meta["spec_verify_ct"]) == len(want) - 1
 
 
-def test_stop_drains_requests_in_flight(served):
-    """Last in the module: it stops the server. `should_exit` is what uvicorn's SIGTERM handler
-    sets; a stream in flight still runs to its end, then the server exits by itself."""
+def test_sigterm_drains_every_stream_to_its_end(served):
+    """Last in the module: it stops the server. With 4 streams running and 2 queued, the first
+    SIGTERM (uvicorn's signal handler calls `handle_exit`) keeps the port open with /health
+    draining and new requests refused, ends the queued streams with an error event before any
+    token, lets the running ones finish (equal to offline decoding), and the server exits."""
     server, tokenizer = served[0], served[1]
-    want = reference(served, [tokenizer.encode_text(PROMPTS[2])], 60)[0]
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 60, "temperature": 0, "stream": True}
-    text, done = [], False
-    with httpx.Client(timeout=300) as http:
-        with http.stream("POST", base_url(server) + "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            for line in lines:
+    loop = server.engine_loop
+    engine, real_step = loop.engine, loop.engine.step
+    steps = threading.Semaphore(0)  # each release lets the engine take one step
+
+    def gated_step():
+        assert steps.acquire(timeout=60)
+        return real_step()
+
+    prompts = CONCURRENT[:6]
+    want = reference(served, [tokenizer.encode_text(p) for p in prompts], REFERENCE_TOKENS)
+    events: dict[int, list[dict | str]] = {i: [] for i in range(6)}
+
+    def stream(i):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": REFERENCE_TOKENS, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
                 if line.startswith("data: "):
-                    server.should_exit = True
-                    text.append(json.loads(line[6:])["choices"][0]["text"])
-                    break
-            for line in lines:
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    text.append(json.loads(line[6:])["choices"][0]["text"])
-                done = done or line == "data: [DONE]"
-    assert done and "".join(text) == text_of(tokenizer, want)
-    deadline = time.monotonic() + 120  # the server exits on its own once the stream is done
+                    events[i].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+
+    engine.step = gated_step
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while not (loop.num_open == 6 and engine.num_running == 4 and engine.num_waiting == 2):
+            assert time.monotonic() < deadline, "the engine did not fill its 4 slots"
+            steps.release()  # one step at a time, until every request is in and the slots are full
+            time.sleep(0.2)
+        server.handle_exit(signal.SIGTERM, None)
+        health = httpx.get(base_url(server) + "/health", timeout=300)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        late = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "a"}, timeout=300)
+        assert late.status_code == 503
+        steps.release(1 << 20)
+        for thread in threads:
+            thread.join(120)
+    finally:
+        steps.release(1 << 20)
+        del engine.step
+    ended = {i for i in range(6) if "error" in events[i][0]}
+    assert len(ended) == 2, events
+    for i in range(6):
+        assert events[i][-1] == "[DONE]", events[i]
+        chunks = events[i][:-1]
+        if i in ended:  # queued: one error event, no token
+            assert len(chunks) == 1 and chunks[0]["error"]["type"] == "server_unavailable", chunks
+        else:
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(tokenizer, want[i])
+    deadline = time.monotonic() + 60  # the server exits on its own once the streams are done
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
@@ -405,4 +527,4 @@ def test_stop_drains_requests_in_flight(served):
             break
         time.sleep(0.1)
     else:
-        pytest.fail("the server still accepts connections 120 s after its last stream ended")
+        pytest.fail("the server still accepts connections 60 s after its last stream ended")

@@ -35,3 +35,14 @@ def test_held_back_prefix_is_released_at_the_end():
     detok = IncrementalDetokenizer(utf8, stop=["<end>"])
     out, tail = pieces(detok, list(b"one <en"), chunk=2)
     assert "".join(out) == "one " and tail == "<en" and not detok.stopped
+
+
+def test_tokens_counted_up_to_the_one_completing_the_stop_string():
+    """A step brings several tokens at once; those past the stop string are not the answer's."""
+    text = b"abc STOP def STOP ghi"
+    detok = IncrementalDetokenizer(utf8, stop=["STOP"])
+    pieces(detok, list(text), chunk=8)  # the first STOP completes at byte 8 (index 7), inside the first push
+    assert detok.stopped and detok.num_tokens == text.index(b"STOP") + len("STOP")
+    plain = IncrementalDetokenizer(utf8)
+    pieces(plain, list(text), chunk=8)
+    assert plain.num_tokens == len(text)

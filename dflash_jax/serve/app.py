@@ -1,10 +1,12 @@
 """The FastAPI app: OpenAI's completions and chat routes, models, health and metrics.
 
-A handler validates the request, turns it into prompt ids and SamplingParams, submits it to
-the EngineLoop and turns the token ids it gets back into text. Streaming answers are SSE
-events in OpenAI's chunk format ending with `data: [DONE]`. A client that goes away aborts its
-request: a stream is cancelled by Starlette when the client disconnects, and a plain answer
-watches the connection while it waits.
+A handler reads the body (up to a size limit: 413 beyond), validates it and turns it into
+prompt ids and SamplingParams on a worker thread (parsing and tokenizing a large body must not
+stall the event loop, which serves every other client and /health), submits it to the
+EngineLoop and turns the token ids it gets back into text. Streaming answers are SSE events in
+OpenAI's chunk format ending with `data: [DONE]`, whatever ends them. A client that goes away
+aborts its request: a stream is cancelled by Starlette when the client disconnects, and a plain
+answer watches the connection while it waits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from dflash_jax.engine import SamplingParams
+from dflash_jax.requests import check_prompt, check_stop_token_ids
 from dflash_jax.serve import protocol
 from dflash_jax.serve.detokenize import IncrementalDetokenizer
 from dflash_jax.serve.engine_loop import EngineLoop, Finished, RequestHandle
@@ -43,9 +46,10 @@ class _EngineFailed(Exception):
 
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: int,
-               shutdown_timeout_s: float = 30.0, warmup: Warmup | None = None) -> FastAPI:
+               max_request_bytes: int, shutdown_timeout_s: float = 30.0, warmup: Warmup | None = None) -> FastAPI:
     """An app serving `loop`'s Engine under `model_name`; its lifespan starts and stops the
-    loop, and `warmup` (the step programs compiled in the background) if given."""
+    loop, and `warmup` (the step programs compiled in the background) if given. Request
+    bodies larger than `max_request_bytes` are answered 413."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -60,7 +64,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_CountResponses, metrics=loop.metrics)
-    server = _Server(loop, tokenizer, model_name, max_model_len)
+    server = _Server(loop, tokenizer, model_name, max_model_len, max_request_bytes)
 
     @app.exception_handler(RequestError)
     async def request_error(request, err: RequestError):
@@ -82,11 +86,11 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await server.generate(request, protocol.parse_request(CompletionRequest, await _json(request)))
+        return await server.generate(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await server.generate(request, protocol.parse_request(ChatRequest, await _json(request)))
+        return await server.generate(request, ChatRequest)
 
     @app.get("/v1/models")
     async def models():
@@ -115,16 +119,14 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
 class _Server:
     """What the generation routes share: the loop, the tokenizer and the model's limits."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, max_request_bytes: int):
         self.loop, self.tokenizer, self.model_name, self.max_model_len = loop, tokenizer, model_name, max_model_len
+        self.max_request_bytes = max_request_bytes
 
-    async def generate(self, http: Request, request: CompletionRequest | ChatRequest) -> Response:
-        chat = isinstance(request, ChatRequest)
-        if request.model is not None and request.model != self.model_name:
-            raise RequestError(f"model {request.model!r} is not served here; use {self.model_name!r}.", param="model",
-                               code="model_not_found")
-        prompt_ids = self._prompt_ids(request)
-        params = self._sampling_params(request, len(prompt_ids))
+    async def generate(self, http: Request, kind: type[CompletionRequest | ChatRequest]) -> Response:
+        body = await self._body(http)
+        request, prompt_ids, params = await asyncio.to_thread(self._prepare, kind, body)
+        chat = kind is ChatRequest
         handle = await self.loop.submit(prompt_ids, params)
         hidden = set(params.stop_token_ids)  # stop tokens end the answer and are not part of its text
         detokenizer = IncrementalDetokenizer(lambda ids: self.tokenizer.decode([t for t in ids if t not in hidden]),
@@ -141,6 +143,33 @@ class _Server:
                                      background=BackgroundTask(self.loop.abort, handle))
         return await self._whole(http, handle, answer, pieces)
 
+    async def _body(self, http: Request) -> bytes:
+        """The request body, or RequestError 413 once it passes `max_request_bytes`."""
+        too_large = RequestError(f"the request body exceeds this server's limit of {self.max_request_bytes} bytes; "
+                                 "send a shorter prompt (or start the server with a larger --max-request-bytes).",
+                                 status=413, code="request_too_large")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _prepare(self, kind, body: bytes) -> tuple[CompletionRequest | ChatRequest, list[int], SamplingParams]:
+        """(request, prompt ids, sampling parameters) from the body, or RequestError: the
+        request's CPU work (JSON, chat template, tokenizer), run off the event loop."""
+        request = protocol.parse_request(kind, body)
+        if request.model is not None and request.model != self.model_name:
+            raise RequestError(f"the model {request.model!r} does not exist here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models).", param="model", status=404,
+                               code="model_not_found")
+        prompt_ids = self._prompt_ids(request)
+        return request, prompt_ids, self._sampling_params(request, len(prompt_ids))
+
     def _prompt_ids(self, request) -> list[int]:
         if isinstance(request, ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -154,7 +183,13 @@ class _Server:
                 if len(prompt) != 1:
                     raise RequestError("prompt holds several prompts; send one prompt per request.", param="prompt")
                 prompt = prompt[0]
-            ids = self.tokenizer.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode_text(prompt)
+            else:
+                try:
+                    ids = check_prompt(prompt, self.loop.engine.vocab_size).tolist() if prompt else []
+                except ValueError as err:
+                    raise RequestError(str(err), param="prompt") from None
         if not ids:
             raise RequestError("the prompt is empty; give at least one token.", param="prompt")
         if len(ids) >= self.max_model_len:
@@ -175,22 +210,30 @@ class _Server:
                 f"the prompt's {num_prompt_tokens} tokens plus max_tokens={max_tokens} exceed the model's max "
                 f"length {self.max_model_len}; lower max_tokens to at most {room}.", param="max_tokens",
                 code="context_length_exceeded")
-        stop_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(request.stop_token_ids)))
+        try:
+            requested_stops = check_stop_token_ids(request.stop_token_ids, self.loop.engine.vocab_size)
+        except ValueError as err:
+            raise RequestError(str(err), param="stop_token_ids") from None
+        stop_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(requested_stops)))
         return SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
                               top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids)
 
     async def _pieces(self, handle: RequestHandle, detokenizer: IncrementalDetokenizer) -> AsyncIterator:
-        """(new text, None) as tokens come, then ("", Finished); a stop string ends the request early."""
+        """(new text, None) as tokens come, then ("", Finished); a stop string ends the request
+        early, and its Finished counts the tokens up to the one that completed the stop string.
+        A request ended without a token (queued when the server began to stop) raises
+        _EngineFailed; one ended after some keeps them, its finish reason "abort"."""
         stopped_here = False
         while True:
             event = await handle.events.get()
             if isinstance(event, Finished):
                 if event.reason == "error":
                     raise _EngineFailed(event.error, 500)
-                if event.reason == "abort" and not stopped_here:
+                if event.reason == "abort" and not stopped_here and not event.num_generated:
                     raise _EngineFailed(event.error or "the request was aborted.", 503)
                 tail = "" if stopped_here else detokenizer.flush()
-                yield tail, Finished("stop", event.num_generated, event.accepted_lengths) if stopped_here else event
+                yield tail, (Finished("stop", detokenizer.num_tokens, event.accepted_lengths) if stopped_here
+                             else event)
                 return
             if stopped_here:
                 continue  # tokens of the steps before the abort took effect
@@ -219,6 +262,7 @@ class _Server:
             if not collector.done():
                 collector.cancel()
                 self.loop.abort(handle)
+                await asyncio.wait({collector})  # let the cancellation finish: no result to read
         if collector.cancelled():
             return Response(status_code=499)  # nobody reads it
         try:
@@ -301,13 +345,6 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("the request body is not valid JSON.") from None
-
-
 async def _disconnected(http: Request) -> None:
     """Returns when the client closes the connection (the body has been read already)."""
     while (await http.receive())["type"] != "http.disconnect":
@@ -315,7 +352,8 @@ async def _disconnected(http: Request) -> None:
 
 
 class _CountResponses:
-    """ASGI middleware counting answered requests by route and status code (streams too)."""
+    """ASGI middleware counting answered requests by route and status code (streams too); an
+    exception that escapes the app before a response began counts as the 500 Starlette sends."""
 
     def __init__(self, app, metrics):
         self.app, self.metrics = app, metrics
@@ -326,9 +364,18 @@ class _CountResponses:
         path = scope.get("path", "")
         endpoint = path if path in (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics") else "other"
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
+            raise

@@ -4,8 +4,12 @@ Start-up checks everything that can be wrong before the port is bound (flags, mo
 tokenizer, Engine sizes: any of them stops it with one line and exit code 2), binds the port
 without listening, compiles one step program that runs any one request (`--warmup minimal`;
 `all` compiles every one first), and only then accepts connections: the first request never
-waits for compilation. The other programs compile in the background (`warmup`). SIGTERM or Ctrl-C stops accepting, lets the requests in
-flight finish for up to --shutdown-timeout seconds, aborts the rest and exits.
+waits for compilation. The other programs compile in the background (`warmup`).
+
+SIGTERM or Ctrl-C drains: the port stays open with /health answering "draining", new requests
+get 503, queued ones end at once with an error (a 503, or an error event and `[DONE]` on a
+stream), running ones get most of --shutdown-timeout to finish and are then ended with finish
+reason "abort"; the process exits within the timeout. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 import socket
@@ -28,6 +33,14 @@ from dflash_jax.compile_cache import add_cache_arguments
 from dflash_jax.serve.warmup import WARMUP_CHOICES, Warmup, split_programs
 
 log = logging.getLogger("dflash_jax.serve")
+
+# The HTTP side's packages: the `serve` extra, beyond the library's own dependencies.
+SERVE_EXTRA_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Of --shutdown-timeout, the share that requests in flight get to finish; the rest is for
+# their last events, uvicorn's shutdown and the background compilation's thread.
+DRAIN_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +65,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--drafter", type=Path,
                         help="DFlash drafter folder (default: the shipped one for the demo target, none otherwise)")
     parser.add_argument("--no-drafter", action="store_true", help="decode autoregressively, without a drafter")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 or :: for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: the target's folder name)")
     parser.add_argument("--max-num-reqs", type=int, default=8, help="requests decoded together (a power of two)")
     parser.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step (a power of two)")
@@ -70,7 +84,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests held at once (running and waiting); beyond it the server answers 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds that requests in flight get to finish on SIGTERM")
+                        help="seconds from SIGTERM to exit; requests in flight get most of them to finish")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted; larger ones get 413")
     parser.add_argument("--warmup", choices=WARMUP_CHOICES, default="minimal",
                         help="step programs compiled before the port opens: minimal (one that runs any one request; "
                         "the rest compile in the background while /health says warming), all, or none (each "
@@ -81,6 +97,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    check_serve_extra()
     _check_flags(args)
     _log_to_stderr()
     engine, tokenizer, info = load_engine(args)
@@ -96,6 +113,7 @@ def run(args: argparse.Namespace) -> None:
             engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False), first)
             log.info("compiled %d step programs in %.1f s", len(first), time.perf_counter() - start)
         serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout,
+              max_request_bytes=args.max_request_bytes,
               warmup_programs=later, compile_threads=args.compile_threads)
     finally:
         sock.close()
@@ -111,6 +129,15 @@ def _log_to_stderr() -> None:
         log.propagate = False
 
 
+def check_serve_extra() -> None:
+    """ImportError naming the `serve` extra when one of its packages is missing: found before
+    the models load and compile, not when the server starts after them. Looked up, not imported."""
+    missing = [name for name in SERVE_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"the server needs {', '.join(missing)} (not installed); install the serve extra: "
+                          "pip install 'dflash-jax[serve]' (in a checkout: pip install -e '.[serve]').")
+
+
 def _check_flags(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}.")
@@ -124,12 +151,24 @@ def _check_flags(args) -> None:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}.")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}.")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}.")
 
 
-def load_engine(args):
-    """(Engine, tokenizer, ModelInfo) from the flags; ValueError for anything unusable."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class ServedModels:
+    """What the flags name: the target, the drafter (None: autoregressive), the tokenizer
+    and what the HTTP side needs to know of them."""
 
+    target: object
+    drafter: object
+    tokenizer: object
+    info: ModelInfo
+
+
+def load_models(args) -> ServedModels:
+    """The models, tokenizer and ModelInfo the flags name; ValueError for anything unusable.
+    Benchmarks load through this too, to compare the server with `generate` on what it serves."""
     import dflash_jax
     from dflash_jax import demo
     from dflash_jax.tokenizer import load_tokenizer
@@ -153,17 +192,26 @@ def load_engine(args):
     block_size = args.block_size
     if drafter_path is not None:
         drafter = _load(dflash_jax.load_drafter, drafter_path, target.dtype, "drafter", mesh)
-        if demo_pair and block_size is None and jax.default_backend() == "cpu":
-            block_size = min(drafter.cfg.trained_block_size, 8 if dtype == "bfloat16" else 4)
-    engine = dflash_jax.Engine(target, drafter, max_num_reqs=args.max_num_reqs, max_num_tokens=args.max_num_tokens,
-                               block_size=block_size, max_model_len=args.max_model_len,
-                               draft_sampling=args.draft_sampling)
+        if demo_pair and block_size is None:
+            block_size = demo.default_block_size(drafter.cfg, dtype)
     info = ModelInfo(
         name=args.served_model_name or (demo.TARGET_DIR_NAME if demo_pair else Path(target_path).stem),
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
         block_size=(block_size or drafter.cfg.trained_block_size) if drafter is not None else 1,
     )
-    return engine, tokenizer, info
+    return ServedModels(target, drafter, tokenizer, info)
+
+
+def load_engine(args):
+    """(Engine, tokenizer, ModelInfo) from the flags; ValueError for anything unusable."""
+    import dflash_jax
+
+    models = load_models(args)
+    engine = dflash_jax.Engine(models.target, models.drafter, max_num_reqs=args.max_num_reqs,
+                               max_num_tokens=args.max_num_tokens,
+                               block_size=models.info.block_size if models.drafter is not None else None,
+                               max_model_len=args.max_model_len, draft_sampling=args.draft_sampling)
+    return engine, models.tokenizer, models.info
 
 
 def _load(loader, path, dtype, what: str, mesh):
@@ -190,11 +238,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue: int, shutdown_timeout_s: float,
-          warmup_programs=(), compile_threads: int = 1):
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, warmup_programs=(), compile_threads: int = 1):
     """Run the HTTP server on `sock` until SIGTERM / SIGINT, compiling `warmup_programs` meanwhile."""
     progress = functools.partial(tqdm, desc="compiling in the background", unit="program", leave=False)
     server = make_server(engine, tokenizer, info, max_queue=max_queue, shutdown_timeout_s=shutdown_timeout_s,
-                         warmup_programs=warmup_programs, warmup_progress=progress, compile_threads=compile_threads)
+                         max_request_bytes=max_request_bytes, warmup_programs=warmup_programs,
+                         warmup_progress=progress, compile_threads=compile_threads)
     host, port = sock.getsockname()[:2]
     later = f"; {len(warmup_programs)} more step programs compile in the background" if warmup_programs else ""
     log.info("ready: http://%s:%d/v1 serves %s%s", host, port, info.name, later)
@@ -202,13 +251,12 @@ def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue:
 
 
 def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_timeout_s: float,
-                log_level: str = "info", warmup_programs=(), warmup_progress=None, compile_threads: int = 1):
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, log_level: str = "info", warmup_programs=(),
+                warmup_progress=None, compile_threads: int = 1):
     """A uvicorn.Server over a new app and EngineLoop for `engine` (tests run one in a thread),
-    compiling `warmup_programs` in the background once it runs.
-
-    On SIGTERM uvicorn closes the listening socket and gives open connections
-    shutdown_timeout_s to finish (the Engine keeps stepping for them); the app's shutdown then
-    aborts whatever is left."""
+    compiling `warmup_programs` in the background once it runs. Its `handle_exit` (what
+    SIGTERM calls) drains the EngineLoop before uvicorn closes the port; setting `should_exit`
+    skips the draining (uvicorn waits for open connections, the app's shutdown ends the rest)."""
     import uvicorn
 
     from dflash_jax.serve.app import create_app
@@ -218,22 +266,41 @@ def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_
     loop = EngineLoop(engine, ServerMetrics(max(info.block_size, 2)), max_open=max_queue)
     warmup = Warmup(engine, warmup_programs, warmup_progress, compile_threads) if warmup_programs else None
     app = create_app(loop, tokenizer, model_name=info.name, max_model_len=info.max_model_len,
-                     shutdown_timeout_s=min(shutdown_timeout_s, 5.0), warmup=warmup)
+                     shutdown_timeout_s=min(shutdown_timeout_s * (1 - DRAIN_SHARE), 5.0), warmup=warmup,
+                     max_request_bytes=max_request_bytes)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,
                             access_log=False)
-    return _uvicorn_server()(config, loop)
+    return _uvicorn_server()(config, loop, shutdown_timeout_s * DRAIN_SHARE)
 
 
 def _uvicorn_server():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server plus `ready`, an event set once it accepts connections, and its EngineLoop."""
+        """uvicorn's server plus `ready`, an event set once it accepts connections, its
+        EngineLoop, and draining on the first exit signal."""
 
-        def __init__(self, config, engine_loop):
+        def __init__(self, config, engine_loop, drain_s: float):
             super().__init__(config)
             self.engine_loop = engine_loop
+            self.drain_s = drain_s
             self.ready = threading.Event()
+            self._draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            """The first signal drains the EngineLoop while the port stays open (/health says
+            draining), then exits; a second one, or one with no loop running, exits now."""
+            if self._draining or not self.engine_loop.running:
+                return super().handle_exit(sig, frame)
+            self._draining = True
+            log.info("draining: no new requests; those running get %.0f s to finish", self.drain_s)
+            self.engine_loop.drain(self.drain_s)
+            threading.Thread(target=self._exit_when_drained, args=(sig, frame), name="dflash-drain",
+                             daemon=True).start()
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            self.engine_loop.wait(self.drain_s + 30)  # the loop ends by its deadline, after one last step
+            uvicorn.Server.handle_exit(self, sig, frame)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

@@ -24,17 +24,23 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of the decoded text already handed out
         self.text = ""  # everything handed out
         self.stopped = False
+        # Generated tokens that the text covers: all of them, or once a stop string appears
+        # those up to the one that completed it (a step may bring tokens past it).
+        self.num_tokens = 0
 
     def push(self, new_ids: Sequence[int]) -> str:
         """The text that `new_ids` make certain (possibly empty)."""
         if self.stopped:
             return ""
+        before = len(self._ids)
         self._ids.extend(new_ids)
         full = self._decode(self._ids)
         cut = self._find_stop(full)
         if cut is not None:
             self.stopped = True
+            self.num_tokens = self._tokens_through_stop(before)
             return self._emit(full, cut)
+        self.num_tokens = len(self._ids)
         end = len(full)
         while end > self._emitted and full[end - 1] == REPLACEMENT:
             end -= 1
@@ -46,6 +52,13 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         return self._emit(self._decode(self._ids), None)
+
+    def _tokens_through_stop(self, before: int) -> int:
+        """The fewest ids, more than `before`, whose text holds a stop string."""
+        for count in range(before + 1, len(self._ids)):
+            if self._find_stop(self._decode(self._ids[:count])) is not None:
+                return count
+        return len(self._ids)
 
     def _emit(self, full: str, end: int | None) -> str:
         end = len(full) if end is None else end

@@ -6,6 +6,10 @@ open, and hands each request's new tokens to that request's asyncio queue on the
 Every open request is in every step (continuous batching): a request arriving mid-generation
 joins the next step.
 
+Draining (SIGTERM) refuses new requests, ends those still queued at once, before any token,
+and gives the running ones until a deadline to finish; what is left then is ended with a
+finish reason.
+
 Failures stay with their requests: a request the Engine refuses gets its ValueError back. If
 `Engine.step()` raises, the public API does not say which requests that step held, so every
 request open at that moment ends with an error (and is aborted); requests submitted after it
@@ -128,13 +132,24 @@ class EngineLoop:
         """End the request (a no-op once it has ended); its Finished event says `reason`."""
         self._commands.put(("abort", handle, reason))
 
-    def stop(self, timeout_s: float) -> None:
-        """Refuse new requests, let open ones finish for up to timeout_s, abort the rest, end the thread."""
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, end the queued ones now (an error, before any token), let the
+        running ones finish for up to timeout_s, end the rest, then end the thread; returns at
+        once (`wait` waits)."""
         with self._lock:
             self._draining = True
+        self._commands.put(("stop", time.perf_counter() + timeout_s))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the thread to end (after `drain`); whether it has."""
         if self._thread is not None:
-            self._commands.put(("stop", time.perf_counter() + timeout_s))
-            self._thread.join(timeout_s + 30)
+            self._thread.join(timeout_s)
+        return not self.running
+
+    def stop(self, timeout_s: float) -> None:
+        """`drain`, and wait for it: the thread ends within timeout_s plus one step."""
+        self.drain(timeout_s)
+        self.wait(timeout_s + 30)
 
     # ---- the engine thread --------------------------------------------------------------
 
@@ -158,8 +173,10 @@ class EngineLoop:
                     self._add(*command[1:])
                 elif command[0] == "abort":
                     self._abort(*command[1:])
-                else:
-                    deadline = command[1]
+                else:  # a second stop may only bring the deadline closer
+                    if deadline is None:
+                        self._end_queued()
+                    deadline = command[1] if deadline is None else min(deadline, command[1])
             if deadline is not None:
                 if not self._open:
                     return
@@ -196,6 +213,12 @@ class EngineLoop:
         self._open[request_id] = _Open(handle, submitted_s)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         handle._resolve(None)
+
+    def _end_queued(self) -> None:
+        """End every request that waits for a slot and has had no token yet."""
+        for request_id, request in list(self._open.items()):
+            if request.last_output_s is None and self.engine.is_waiting(request_id):
+                self._abort_id(request_id, "abort", "the server is shutting down; retry on another instance.")
 
     def _abort(self, handle: RequestHandle, reason: str) -> None:
         if handle.request_id in self._open:

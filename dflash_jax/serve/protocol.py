@@ -1,6 +1,9 @@
 """OpenAI request bodies (pydantic) and the response objects built from a finished request.
 
-Requests are validated strictly: a field this server does not know, or knows but cannot
+Requests are validated strictly, from the JSON text itself: a field of the wrong JSON type is
+refused, never coerced (`"stream": "yes"`, `"max_tokens": "4"` or `true`), numbers must be
+finite, and text that is not valid JSON (a lone UTF-16 surrogate, nesting past the parser's
+depth limit) is a 400 like any other malformed body. A field this server does not know, or knows but cannot
 honour (logprobs, tools, response_format, ...), is refused by name rather than ignored, since
 ignoring it would silently change what the client gets. Fields that cannot change the tokens
 (`user`, `metadata`, ...) are accepted and ignored; so are unsupported ones left at their
@@ -56,8 +59,8 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # -1 or 0: off
     seed: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
     stop: Union[str, list[str], None] = None
@@ -113,17 +116,18 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-def parse_request(kind: type[_Sampling], body: Any) -> _Sampling:
-    """The validated request, or RequestError naming the first bad or unsupported field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object.")
+# What each union-typed field takes, for its type errors (pydantic names the union's members).
+UNION_FIELDS = {"prompt": "a string, a list of strings or a list of token ids",
+                "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+
+
+def parse_request(kind: type[_Sampling], body: bytes) -> _Sampling:
+    """The validated request from the body's JSON text, or RequestError naming the first bad
+    or unsupported field."""
     try:
-        request = kind.model_validate(body)
+        request = kind.model_validate_json(body, strict=True)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        raise RequestError(f"{param}: {message}." if param else f"{message}.", param=param) from None
+        raise _request_error(err.errors()[0]) from None
     for name, value in (request.model_extra or {}).items():
         if name in IGNORED_FIELDS:
             continue
@@ -133,6 +137,27 @@ def parse_request(kind: type[_Sampling], body: Any) -> _Sampling:
             continue
         raise RequestError(f"{name} is not a field this server knows; remove it from the request.", param=name)
     return request
+
+
+def _union_member(part) -> bool:
+    """Whether a part of pydantic's error path names a union's member type (`str`, `list[int]`), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
+
+
+def _request_error(first: dict) -> RequestError:
+    """The RequestError of pydantic's first validation error, named by the request's own field path."""
+    if first["type"] == "json_invalid":
+        detail = first["ctx"]["error"] if "ctx" in first else first["msg"]
+        return RequestError(f"the request body is not valid JSON ({detail}).")
+    if not first["loc"]:
+        return RequestError("the request body must be a JSON object.")
+    path = [part for part in first["loc"] if not _union_member(part)]
+    param = ".".join(map(str, path))
+    field = next((part for part in reversed(path) if isinstance(part, str)), "")
+    if len(path) < len(first["loc"]) and field in UNION_FIELDS:
+        return RequestError(f"{param} must be {UNION_FIELDS[field]}.", param=param)
+    message = first["msg"].removeprefix("Value error, ")
+    return RequestError(f"{param}: {message}.", param=param)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
