@@ -3,13 +3,15 @@
 A failure the user can fix prints one line (what is wrong, what to do) and exits with status
 2: bad values, unreadable or corrupt files, an output that cannot be written, an output that
 exists. Ctrl-C exits with 130 and SIGTERM with 143, each after one line; both unwind through
-`finally`, so conversions and exports remove their staging folders. Anything else is a bug:
+`finally`, so conversions and exports remove their staging folders (and the commands that
+write files, `writes_files` among their parser's defaults, say so). Anything else is a bug:
 one line saying so and exit 1, or the full traceback with `--debug` (or DFLASH_JAX_DEBUG=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -28,11 +30,24 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` ends each flag's line with its default, unless its help names the default in
+    words already or there is no value to show (None: computed at run time; a switch's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
+    parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of any failure (also: DFLASH_JAX_DEBUG=1)")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(
+        dest="command", required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
     cli_convert.add_parser(subparsers)
     train_cli.add_parser(subparsers)
     cli_generate.add_parser(subparsers)
@@ -56,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prefix = f"dflash-jax {args.command}"
     debug = args.debug or os.environ.get("DFLASH_JAX_DEBUG", "") not in ("", "0")
+    # Only a command that writes files has something it could have left half-written; a server
+    # stopped by Ctrl-C or SIGTERM has not.
+    cleaned = "; nothing half-written was left behind" if getattr(args, "writes_files", False) else ""
     try:
         with terminate_raises():
             args.run(args)
     except KeyboardInterrupt:
-        print(f"\n{prefix}: interrupted; nothing half-written was left behind.", file=sys.stderr)
+        print(f"\n{prefix}: interrupted{cleaned}.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Terminated:
-        print(f"{prefix}: terminated; nothing half-written was left behind.", file=sys.stderr)
+        print(f"{prefix}: terminated{cleaned}.", file=sys.stderr)
         return EXIT_TERMINATED
     except Exception as err:  # noqa: BLE001 - sorted below into user errors and bugs
         if debug:

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("out_dir", type=Path, help="output folder (must not exist unless --force)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, writes_files=True)
 
 
 def run(args: argparse.Namespace) -> None:

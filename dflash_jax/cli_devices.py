@@ -15,7 +15,7 @@ import jax
 
 def add_device_arguments(parser: argparse.ArgumentParser, *, multi_process: bool = True) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="split each model over N devices (of all processes together; default 1)")
+                        help="split each model over N devices (of all processes together)")
     if not multi_process:
         return
     parser.add_argument("--coordinator", metavar="HOST:PORT",

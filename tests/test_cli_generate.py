@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -165,6 +166,10 @@ def test_demo_with_cached_target(models_dir, tmp_path, capsys, no_download):
     assert code == 0, err
     assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("\nA: ") == len(demo.QUESTIONS)
     lines = out.splitlines()
+    assert lines[0] == f"target: {cache / demo.TARGET_DIR_NAME}, drafter: {models_dir / 'drafter'}"
+    assert lines.index("DFlash (block size 4): compiling (untimed) and answering 4 questions one at a time") < \
+        lines.index("autoregressive: compiling (untimed) and answering 4 questions one at a time") < \
+        lines.index(f"Q: {demo.QUESTIONS[0]}")
     assert lines[-3].startswith("DFlash (block size 4): ") and "mean accepted length" in lines[-3]
     assert lines[-2].startswith("autoregressive: ") and "tokens/s" in lines[-2]
     assert lines[-1].startswith("speedup: ") and "includes compilation" not in out
@@ -193,6 +198,63 @@ def test_demo_errors(models_dir, tmp_path, monkeypatch, capsys, no_download):
     assert code == 2 and len(err.splitlines()) == 1 and "network access to PyPI" in err
 
 
+def test_differing_answers_note_names_them():
+    assert demo.differing_answers_note([1], "bfloat16").startswith(
+        "note: answer 2 differs from autoregressive decoding's (bfloat16 arithmetic")
+    assert "answers 2 and 4 differ" in demo.differing_answers_note([1, 3], "bfloat16")
+    assert "answers 1, 2 and 4 differ" in demo.differing_answers_note([0, 1, 3], "bfloat16")
+
+
+def test_demo_output_with_decoders_faked(tmp_path, monkeypatch, capsys):
+    """The demo's lines in order, its models and decoders replaced by stand-ins whose answers 2
+    and 4 differ: where the models are, the answers, the note naming those that differ, the stats."""
+    from dflash_jax.generate import GenerateResult
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    model = SimpleNamespace(cfg=SimpleNamespace(trained_block_size=4))
+    monkeypatch.setattr("dflash_jax.checkpoint.check_checkpoint_folder", lambda path: None)
+    monkeypatch.setattr(demo, "smollm2_target", lambda cache_dir: cache_dir / demo.TARGET_DIR_NAME)
+    monkeypatch.setattr(dflash_jax, "load_target", lambda *args, **kwargs: model)
+    monkeypatch.setattr(dflash_jax, "load_drafter", lambda *args, **kwargs: model)
+
+    class Tokenizer:
+        stop_token_ids = [0]
+
+        def __init__(self, folder):
+            pass
+
+        def encode(self, messages):
+            return [1]
+
+        def decode(self, token_ids):
+            return " ".join(f"w{t}" for t in token_ids)
+
+    monkeypatch.setattr("dflash_jax.tokenizer.ChatTokenizer", Tokenizer)
+
+    def decoder(differing: set):
+        answered = []
+
+        def decode(*args, compile_only=False, **kwargs):
+            if compile_only:
+                return None
+            answered.append(len(answered))
+            return GenerateResult([[7, 8 if answered[-1] in differing else 9]], [[2]], 1.0)
+
+        return decode
+
+    monkeypatch.setattr(dflash_jax, "generate", decoder(set()))
+    monkeypatch.setattr(dflash_jax, "generate_autoregressive", decoder({1, 3}))
+    code, out, err = run_cli(capsys, "demo", "--drafter", drafter, "--cache-dir", tmp_path / "cache")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"target: {tmp_path / 'cache' / demo.TARGET_DIR_NAME}, drafter: {drafter}"
+    note = next(i for i, line in enumerate(lines) if line.startswith("note: "))
+    assert lines[note].startswith("note: answers 2 and 4 differ from autoregressive decoding's (bfloat16")
+    assert max(i for i, line in enumerate(lines) if line.startswith("A: ")) < note == len(lines) - 4
+    assert lines[-1].startswith("speedup: 1.00x (4 questions one at a time, greedy, bfloat16, 2 of 4 answers differ;")
+
+
 def fake_smollm2_conversion(monkeypatch, calls: list, seconds: float = 0.0):
     """demo's download and conversion replaced by ones that record their calls; the
     conversion writes only the format file, in the current format."""
@@ -204,7 +266,7 @@ def fake_smollm2_conversion(monkeypatch, calls: list, seconds: float = 0.0):
         calls.append("download")
         return cache_dir / demo.SMOLLM2_GGUF
 
-    def fake_convert(src, out_dir, force=False):
+    def fake_convert(src, out_dir, force=False, progress=False):
         calls.append("convert")
         time.sleep(seconds)
         out_dir.mkdir(exist_ok=force)

@@ -1,16 +1,18 @@
-"""`dflash-jax serve` refuses bad flags and unusable models with one line and exit code 2,
-before it binds the port (or, for a taken port, at the bind, before compiling anything)."""
+"""`dflash-jax serve` refuses bad flags, unusable models and a missing `serve` extra with one
+line and exit code 2, before it binds the port (or, for a taken port, at the bind, before
+compiling anything); stopped, it says so in one line."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import socket
+import sys
 
 import pytest
 
 from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
-from dflash_jax import cli
+from dflash_jax import cli, staging
 from dflash_jax.serve import cli as serve_cli
 from test_serve import write_char_tokenizer
 
@@ -47,6 +49,28 @@ def refused(capsys, argv) -> str:
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, no_bind, argv, said):
     assert said in refused(capsys, argv)
+
+
+@pytest.mark.parametrize("module", serve_cli.SERVE_EXTRA_MODULES)
+def test_missing_serve_extra_is_named_before_anything_loads(capsys, monkeypatch, no_bind, module):
+    monkeypatch.setitem(sys.modules, module, None)  # what find_spec reports for a module that is not installed
+    monkeypatch.setattr(serve_cli, "load_engine", lambda args: pytest.fail("loaded the models first"))
+    err = refused(capsys, ["--target", "/no/such/model", "--port", "70000"])
+    assert f"needs {module} (not installed)" in err and "pip install 'dflash-jax[serve]'" in err
+
+
+@pytest.mark.parametrize("stop, code, word", [(KeyboardInterrupt, 130, "interrupted"),
+                                              (staging.Terminated, 143, "terminated")])
+def test_a_stopped_server_claims_nothing_about_files(capsys, monkeypatch, stop, code, word):
+    """uvicorn re-raises Ctrl-C or SIGTERM once it has shut down; the server writes no files, so
+    its last line is not conversion's "nothing half-written was left behind"."""
+
+    def stopped(args):
+        raise stop
+
+    monkeypatch.setattr(serve_cli, "run", stopped)
+    assert cli.main(["serve"]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [f"dflash-jax serve: {word}."]
 
 
 def test_unusable_checkpoint_exits_2(tmp_path, capsys, no_bind):

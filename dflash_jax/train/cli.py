@@ -35,14 +35,16 @@ def add_parser(subparsers) -> None:
     source.add_argument("--follow-ups", type=int, metavar="N",
                         help="N follow-ups on the target's own answers: a second user turn, or a rewrite of the answer")
     data.add_argument("--num-prompts", type=int, default=1000, help="prompts drawn from --shakespeare")
-    data.add_argument("--max-new-tokens", type=int, default=512)
-    data.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
-    data.add_argument("--top-k", type=int, default=0)
-    data.add_argument("--top-p", type=float, default=1.0)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--max-new-tokens", type=int, default=512, help="longest response generated per prompt")
+    data.add_argument("--temperatures", default="0,0.7",
+                      help="comma-separated; one response per prompt and temperature, 0 is greedy")
+    data.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps every one")
+    data.add_argument("--top-p", type=float, default=1.0,
+                      help="sample among the most likely tokens holding this much probability; 1 keeps every one")
+    data.add_argument("--seed", type=int, default=0, help="seed of the sampled responses and of drawn prompts")
     data.add_argument("--force", action="store_true", help="replace OUT if it exists")
     add_cache_arguments(data)
-    data.set_defaults(run=run_build_data)
+    data.set_defaults(run=run_build_data, writes_files=True)
 
     train = subparsers.add_parser(
         "train-drafter",
@@ -62,23 +64,26 @@ def add_parser(subparsers) -> None:
         "--mask-token-id", type=int,
         help="new drafter: MASK embedding row (default: first row past tokenizer.json's vocabulary)",
     )
-    train.add_argument("--epochs", type=float, default=6.0)
+    train.add_argument("--epochs", type=float, default=6.0, help="passes over the training sets")
     train.add_argument("--steps", type=int, help="total steps (overrides --epochs)")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     train.add_argument("--max-length", type=int, default=3072, help="sequences are cut to this many tokens")
     train.add_argument("--max-anchors", type=int, default=512, help="anchor blocks per sequence")
-    train.add_argument("--lr", type=float, default=6e-4)
-    train.add_argument("--warmup-ratio", type=float, default=0.04)
-    train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--grad-clip", type=float, default=1.0)
+    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
+    train.add_argument("--warmup-ratio", type=float, default=0.04,
+                       help="share of the steps over which the learning rate rises to --lr")
+    train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    train.add_argument("--grad-clip", type=float, default=1.0, help="largest global gradient norm")
     train.add_argument("--gamma", type=float, help="loss decay (default 7 for B=16, 4 for B=8)")
     train.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
                        help="weight of the target's own distribution as labels (distillation), 0..1")
     train.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (masters stay float32)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--checkpoint-every", type=int, default=1000)
+    train.add_argument("--seed", type=int, default=0,
+                       help="seed of a new drafter's weights, the data order and the anchors drawn")
+    train.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS",
+                       help="save a checkpoint to OUT/checkpoints every this many steps")
     add_cache_arguments(train)
-    train.set_defaults(run=run_train)
+    train.set_defaults(run=run_train, writes_files=True)
 
 
 def at_least(flag: str, value, minimum) -> None:
