@@ -29,6 +29,9 @@
 #                 server's wheels: fastapi, uvicorn and theirs; SERVE_LEVELS=1,4,16,64
 #                 SERVE_REQS=64 for issue 20's last level);
 #   startup       this tree only: bench.serving.startup;
+#   versus        this tree only, the demo pair from the carried GGUF: bench.serving.versus_generate,
+#                 the server against `generate` on the same prompts (VERSUS_ARGS: its server
+#                 flags beyond --cache-dir; the same .whl/ as serve);
 #   train-diverse issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
 #                 well (bench.pipelines.smollm2_drafter), in /tmp/ft23, resumed by each call
 #                 while the machine stays warm; MINUTES, STEPS, SELF_TEMPERATURES and
@@ -76,6 +79,11 @@ smollm2_target() {  # /tmp/carry/smollm2 from the carried GGUF parts (step carry
     ln -sf /tmp/carry/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/carry/cache/
 }
 
+serve_site() {  # /tmp/serve_site: the server's packages the device lacks, from the carried .whl/ (no dependencies resolved)
+    [ -d /tmp/serve_site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/serve_site .whl/*.whl \
+        > "$out/serve_pip.log" 2>&1
+}
+
 for step in "$@"; do
     case $step in
     gpu-tests)
@@ -118,14 +126,21 @@ for step in "$@"; do
         done ;;
     serve)
         smollm2_target
-        [ -d /tmp/serve_site ] || python3 -m pip install -q --no-index --find-links .whl --target /tmp/serve_site \
-            fastapi uvicorn > "$out/serve_pip.log" 2>&1
+        serve_site
         echo "== serve"
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 400 python3 -m bench.serving.load_test --out "$out/serve.json" \
             --concurrency ${SERVE_LEVELS:-1,4,16} --rounds 4 --engine-baseline --server-args \
             "--cache-dir /tmp/carry/cache --dtype bfloat16 --max-num-reqs ${SERVE_REQS:-16} --max-num-tokens 256 --max-model-len 2048" \
             > "$out/serve.log" 2>&1
         echo "   rc=$?"; grep -E "^(dflash|autoregressive|engine alone) " "$out/serve.log" ;;
+    versus)
+        smollm2_target
+        serve_site
+        echo "== versus"
+        PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout ${VERSUS_LIMIT:-500} python3 -m bench.serving.versus_generate \
+            --commit "$commit" --out "$out/versus.json" --server-args "--cache-dir /tmp/carry/cache ${VERSUS_ARGS:-}" \
+            > "$out/versus.log" 2>&1
+        echo "   rc=$?"; grep -E "^(dflash|autoregressive) " "$out/versus.log" ;;
     startup)
         smollm2_target
         echo "== startup"
