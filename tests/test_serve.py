@@ -467,7 +467,9 @@ def test_sigterm_drains_every_stream_to_its_end(served):
     """Last in the module: it stops the server. With 4 streams running and 2 queued, the first
     SIGTERM (uvicorn's signal handler calls `handle_exit`) keeps the port open with /health
     draining and new requests refused, ends the queued streams with an error event before any
-    token, lets the running ones finish (equal to offline decoding), and the server exits."""
+    token, lets the running ones that can finish do so (equal to offline decoding), ends the
+    others at the drain's deadline with finish reason "abort", every stream with `[DONE]`, and
+    the server exits."""
     server, tokenizer = served[0], served[1]
     loop = server.engine_loop
     engine, real_step = loop.engine, loop.engine.step
@@ -478,47 +480,65 @@ def test_sigterm_drains_every_stream_to_its_end(served):
         return real_step()
 
     prompts = CONCURRENT[:6]
+    short, long = 8, REFERENCE_TOKENS  # streams 0-2 end within a few steps, 3-5 need at least 15
+    max_tokens = [short] * 3 + [long] * 3
     want = reference(served, [tokenizer.encode_text(p) for p in prompts], REFERENCE_TOKENS)
     events: dict[int, list[dict | str]] = {i: [] for i in range(6)}
 
     def stream(i):
-        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": REFERENCE_TOKENS, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0, "stream": True}
         with httpx.stream("POST", base_url(server) + "/v1/completions", json=body, timeout=300) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events[i].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+
+    def step_until(done, what: str):
+        deadline = time.monotonic() + 120
+        while not done():
+            assert time.monotonic() < deadline, what
+            steps.release()  # one step at a time
+            time.sleep(0.2)
 
     engine.step = gated_step
     try:
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 120
-        while not (loop.num_open == 6 and engine.num_running == 4 and engine.num_waiting == 2):
-            assert time.monotonic() < deadline, "the engine did not fill its 4 slots"
-            steps.release()  # one step at a time, until every request is in and the slots are full
-            time.sleep(0.2)
+        step_until(lambda: loop.num_open == 6 and engine.num_running == 4 and engine.num_waiting == 2,
+                   "the engine did not fill its 4 slots")
+        server.drain_s = 8.0
         server.handle_exit(signal.SIGTERM, None)
+        signalled = time.monotonic()
         health = httpx.get(base_url(server) + "/health", timeout=300)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         late = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "a"}, timeout=300)
         assert late.status_code == 503
+        step_until(lambda: all(events[i] and events[i][-1] == "[DONE]" for i in range(3)),
+                   "the short streams did not end")
+        time.sleep(max(0.0, signalled + server.drain_s + 0.5 - time.monotonic()))  # past the deadline, held
         steps.release(1 << 20)
         for thread in threads:
             thread.join(120)
     finally:
         steps.release(1 << 20)
         del engine.step
-    ended = {i for i in range(6) if "error" in events[i][0]}
-    assert len(ended) == 2, events
+    queued = {i for i in range(6) if "error" in events[i][0]}
+    assert len(queued) == 2, events
+    reasons = {}
     for i in range(6):
         assert events[i][-1] == "[DONE]", events[i]
         chunks = events[i][:-1]
-        if i in ended:  # queued: one error event, no token
+        if i in queued:  # one error event, no token
             assert len(chunks) == 1 and chunks[0]["error"]["type"] == "server_unavailable", chunks
-        else:
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(tokenizer, want[i])
+            continue
+        reasons[i] = chunks[-1]["choices"][0]["finish_reason"]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        if i < 3:  # short: finished before the deadline
+            assert reasons[i] in ("length", "stop") and text == text_of(tokenizer, want[i][:short])
+        else:  # long: held past the deadline, ended there with what it had
+            full = text_of(tokenizer, want[i])
+            assert reasons[i] == "abort" and text and full.startswith(text) and text != full
+    assert any(i < 3 for i in reasons) and any(i >= 3 for i in reasons)  # 4 slots: some of each ran
     deadline = time.monotonic() + 60  # the server exits on its own once the streams are done
     while time.monotonic() < deadline:
         try:
