@@ -473,14 +473,15 @@ def test_sigterm_drains_every_stream_to_its_end(served):
     server, tokenizer = served[0], served[1]
     loop = server.engine_loop
     engine, real_step = loop.engine, loop.engine.step
-    steps = threading.Semaphore(0)  # each release lets the engine take one step
+    steps, taken = threading.Semaphore(0), threading.Semaphore(0)  # a step allowed, a step begun
 
     def gated_step():
         assert steps.acquire(timeout=60)
+        taken.release()
         return real_step()
 
     prompts = CONCURRENT[:6]
-    short, long = 8, REFERENCE_TOKENS  # streams 0-2 end within a few steps, 3-5 need at least 15
+    short, long = 4, REFERENCE_TOKENS  # streams 0-2 end within 5 steps, 3-5 need at least 15
     max_tokens = [short] * 3 + [long] * 3
     want = reference(served, [tokenizer.encode_text(p) for p in prompts], REFERENCE_TOKENS)
     events: dict[int, list[dict | str]] = {i: [] for i in range(6)}
@@ -493,10 +494,12 @@ def test_sigterm_drains_every_stream_to_its_end(served):
                     events[i].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
 
     def step_until(done, what: str):
+        """One step at a time (the next allowed once the last has begun) until `done()`."""
         deadline = time.monotonic() + 120
         while not done():
             assert time.monotonic() < deadline, what
-            steps.release()  # one step at a time
+            steps.release()
+            assert taken.acquire(timeout=60), what
             time.sleep(0.2)
 
     engine.step = gated_step
@@ -506,16 +509,15 @@ def test_sigterm_drains_every_stream_to_its_end(served):
             thread.start()
         step_until(lambda: loop.num_open == 6 and engine.num_running == 4 and engine.num_waiting == 2,
                    "the engine did not fill its 4 slots")
-        server.drain_s = 8.0
         server.handle_exit(signal.SIGTERM, None)
-        signalled = time.monotonic()
         health = httpx.get(base_url(server) + "/health", timeout=300)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         late = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "a"}, timeout=300)
         assert late.status_code == 503
-        step_until(lambda: all(events[i] and events[i][-1] == "[DONE]" for i in range(3)),
-                   "the short streams did not end")
-        time.sleep(max(0.0, signalled + server.drain_s + 0.5 - time.monotonic()))  # past the deadline, held
+        # The short streams end; the long ones have had their first tokens (or, queued, their error).
+        step_until(lambda: all(events[i] and events[i][-1] == "[DONE]" for i in range(3))
+                   and all(events[i] for i in range(3, 6)), "the short streams did not end")
+        loop.drain(0.0)  # the drain's deadline now, with the long streams held mid-answer
         steps.release(1 << 20)
         for thread in threads:
             thread.join(120)
@@ -535,7 +537,7 @@ def test_sigterm_drains_every_stream_to_its_end(served):
         text = "".join(c["choices"][0]["text"] for c in chunks)
         if i < 3:  # short: finished before the deadline
             assert reasons[i] in ("length", "stop") and text == text_of(tokenizer, want[i][:short])
-        else:  # long: held past the deadline, ended there with what it had
+        else:  # long: held until the deadline, ended there with what it had
             full = text_of(tokenizer, want[i])
             assert reasons[i] == "abort" and text and full.startswith(text) and text != full
     assert any(i < 3 for i in reasons) and any(i >= 3 for i in reasons)  # 4 slots: some of each ran
