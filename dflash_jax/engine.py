@@ -25,7 +25,6 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.buckets import Program, holds, program_for, programs

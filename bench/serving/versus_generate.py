@@ -17,7 +17,6 @@ all timed requests' time, per mode.
 from __future__ import annotations
 
 import argparse
-import gc
 import shlex
 import time
 
@@ -81,8 +80,6 @@ def generate_side(flags: list[str], max_tokens: int, rounds: int) -> tuple[dict,
             out = decode(ids)
             seconds += time.perf_counter() - start
             tokens += len(out.token_ids[0])
-    del models
-    gc.collect()
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}, prompts
 
 
