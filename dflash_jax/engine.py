@@ -13,6 +13,12 @@ returns the tokens of the step before. A request that finishes in step k still r
 k + 1 (unless the host knows it ends in k: its length runs out); those outputs are dropped.
 A request that could never fit is refused when it is added. Nothing a request does can
 touch another's pages.
+
+When every running request decodes, one step may run several verify cycles on the device
+(`cycles_per_step`, a loop inside the program): the host's work and the program's dispatch
+(hundreds of arrays) are then paid once per that many cycles, which matters where a model is
+small enough for a cycle to take about as long as that work (on a GPU). Tokens and their
+randomness do not depend on it: each cycle's draws are keyed by position, as in single steps.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
     work: list[Work]
-    packed: jax.Array  # int32 [R, Q + 2]: `Committed` packed (tokens, count, stopped) for one transfer
+    packed: jax.Array  # int32 [C, R, Q + 2]: each cycle's `Committed` packed (tokens, count, stopped) for one transfer
+    cycles: int  # cycles the step runs: the first of packed's C rows
 
 
 # Traces of the step program; a test asserts that a warmed-up engine adds none.
@@ -81,12 +88,18 @@ class Engine:
         async_scheduling: bool = True,
         draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
         mesh: Mesh | None = None,
+        cycles_per_step: int | None = None,
     ):
         """`draft_sampling`: how sampled requests propose drafts, "sample" or "argmax" (see
         `generate`); one choice per engine, part of its compiled programs. `mesh`: serve
         tensor-parallel over its "model" axis (`sharding.make_mesh`), as `generate` does:
-        models loaded with it are used as they are, others placed on it."""
+        models loaded with it are used as they are, others placed on it. `cycles_per_step`:
+        verify cycles a step runs at most when every request decodes (None: the platform's
+        `default_cycles_per_step`); more cycles spread the host's work, fewer admit new
+        requests sooner."""
         target, drafter = on_one_mesh((target, drafter), mesh)
+        self.cycles_per_step = (default_cycles_per_step(target.mesh) if cycles_per_step is None
+                                else check_count("cycles_per_step", cycles_per_step))
         if not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
         if drafter is not None:
@@ -129,15 +142,17 @@ class Engine:
         if num_pages is None:
             num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
         windows = self._groups.windows[1:] if self._groups else ()
-        # Windowed groups hold at most a window plus one step per request: a fixed pool.
+        # Windowed groups hold at most a window plus two steps (the one in flight and the
+        # next) per request: a fixed pool.
+        step_span = max(max_num_tokens, 2 * self.cycles_per_step * (1 + self.num_drafts))
         window_allocators = [
-            PageAllocator(1 + max_num_reqs * -(-(w + max_num_tokens + 2 * lookahead + 2 * page_size) // page_size))
+            PageAllocator(1 + max_num_reqs * -(-(w + step_span + 2 * lookahead + 2 * page_size) // page_size))
             for w in windows
         ]
         self.scheduler = Scheduler(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_drafts=self.num_drafts,
             lookahead=lookahead, page_size=page_size, allocator=PageAllocator(num_pages),
-            window_allocators=window_allocators, windows=windows,
+            window_allocators=window_allocators, windows=windows, cycles_per_step=self.cycles_per_step,
         )
         self._target, self._drafter = target, drafter
         self._models = (target,) if drafter is None else (target, drafter)
@@ -151,7 +166,7 @@ class Engine:
             greedy=False,  # set per program: `_step_program`'s `greedy`
             draft_sampling=check_draft_sampling(draft_sampling),
         )
-        self._executables = _executables(treedefs, cfg)
+        self._executables = _executables(treedefs, cfg, self.cycles_per_step)
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
@@ -327,7 +342,7 @@ class Engine:
         packed.copy_to_host_async()
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
-        return _Launched(work, packed)
+        return _Launched(work, packed, work[0].cycles)
 
     def _program_for(self, work: list[Work]) -> Program:
         """The batch's own program; while warming up, if that is not compiled yet, the smallest
@@ -366,23 +381,28 @@ class Engine:
         return self._executables.get(self._key(program), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
-        """Read a launched step's tokens (waiting for the device) and apply them; outputs of
-        requests finished or preempted since the launch are dropped."""
+        """Read a launched step's tokens (waiting for the device) and apply them cycle by
+        cycle, one output per request; outputs of requests finished or preempted since the
+        launch (or in an earlier cycle of it) are dropped."""
         packed = jax.device_get(launched.packed)
-        tokens_RQ, count_R, stopped_R = packed[:, :-2], packed[:, -2], packed[:, -1]
-        outputs = []
-        for r, w in enumerate(launched.work):
-            if not self.scheduler.is_current(w):
-                continue
-            try:
-                output = self._commit_one(w, tokens_RQ[r], int(count_R[r]), bool(stopped_R[r]))
-            except Exception as error:  # one request's failure ends that request, not the batch
-                self.scheduler.finish(w.request)
-                output = RequestOutput(w.request.request_id, [], True, "error")
-                w.request.stats.error = f"{type(error).__name__}: {error}"
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        outputs: dict[int, RequestOutput] = {}
+        for cycle in packed[: launched.cycles]:
+            tokens_RQ, count_R, stopped_R = cycle[:, :-2], cycle[:, -2], cycle[:, -1]
+            for r, w in enumerate(launched.work):
+                if not self.scheduler.is_current(w):
+                    continue
+                try:
+                    output = self._commit_one(w, tokens_RQ[r], int(count_R[r]), bool(stopped_R[r]))
+                except Exception as error:  # one request's failure ends that request, not the batch
+                    self.scheduler.finish(w.request)
+                    output = RequestOutput(w.request.request_id, [], True, "error")
+                    w.request.stats.error = f"{type(error).__name__}: {error}"
+                if output is not None:
+                    earlier = outputs.get(output.request_id)
+                    if earlier is not None:
+                        output.new_token_ids[:0] = earlier.new_token_ids
+                    outputs[output.request_id] = output
+        return list(outputs.values())
 
     def _commit_one(self, w: Work, tokens_Q, count: int, stopped: bool) -> RequestOutput | None:
         """Apply one request's share of a committed step; its output, if it got tokens."""
@@ -475,30 +495,59 @@ class _Executables:
 
 
 @functools.lru_cache(maxsize=None)
-def _executables(treedefs, cfg: CycleConfig) -> _Executables:
-    """The step of engines with these models' structures and cycle configuration, made once
-    per (treedefs, cfg): engines of one model share its compiled programs. Each program is
-    compiled ahead of time from argument shapes (`Engine.precompile` may run on another
-    thread than the steps). Parameters travel as flat lists of arrays (`flat_models`): no
-    graph hashing or pytree flattening per step."""
+def _executables(treedefs, cfg: CycleConfig, max_cycles: int) -> _Executables:
+    """The step of engines with these models' structures, cycle configuration and most
+    cycles per step, made once per (treedefs, cfg, max_cycles): engines of one model share its
+    compiled programs. Each program is compiled ahead of time from argument shapes
+    (`Engine.precompile` may run on another thread than the steps). Parameters travel as flat
+    lists of arrays (`flat_models`): no graph hashing or pytree flattening per step."""
 
     def step(param_leaves, state, buffer, layout, greedy):
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
-        batch, last_pos_R = unpack(buffer, layout)
-        with jax.named_scope("fill_verify_rows"):
-            batch = fill_verify_rows(batch, state)
-            remaining_R = jnp.where(batch.remaining_R > 0, last_pos_R - batch.anchor_pos_R, 0)
-        batch = dataclasses.replace(batch, remaining_R=remaining_R)
-        state, committed = speculative_cycle(models, state, batch, dataclasses.replace(cfg, greedy=greedy))
-        mesh = models[0].mesh  # the donated state comes back placed as it went in (see Engine._whole)
-        state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
-            "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
-        packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
-                                  committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
-        return state, packed
+        batch, last_pos_R, cycles = unpack(buffer, layout)
+        cycle_cfg = dataclasses.replace(cfg, greedy=greedy)
+        samples_R = batch.remaining_R > 0
+        mesh = models[0].mesh
+
+        def cycle(state, stopped_R):
+            """One verify cycle; rows stopped in an earlier cycle of this step commit nothing."""
+            with jax.named_scope("fill_verify_rows"):
+                rows = fill_verify_rows(batch, state)
+                remaining_R = jnp.where(samples_R & ~stopped_R, last_pos_R - rows.anchor_pos_R, 0)
+            state, committed = speculative_cycle(models, state, dataclasses.replace(rows, remaining_R=remaining_R),
+                                                 cycle_cfg)
+            # The donated state comes back placed as it went in (see Engine._whole).
+            state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
+                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
+            packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
+                                      committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
+            return state, stopped_R | committed.stopped_R, packed
+
+        not_stopped_R = jnp.zeros(samples_R.shape, bool)
+        if max_cycles == 1:
+            state, _, packed = cycle(state, not_stopped_R)
+            return state, packed[None]
+
+        def body(i, carry):
+            state, stopped_R, packed_CRW = carry
+            state, stopped_R, packed = cycle(state, stopped_R)
+            return state, stopped_R, packed_CRW.at[i].set(packed)
+
+        num_rows, num_query = batch.verify_rows_RQ.shape
+        packed_CRW = jnp.zeros((max_cycles, num_rows, num_query + 2), jnp.int32)
+        state, _, packed_CRW = jax.lax.fori_loop(0, cycles, body, (state, not_stopped_R, packed_CRW))
+        return state, packed_CRW
 
     return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)))
+
+
+def default_cycles_per_step(mesh: Mesh | None = None) -> int:
+    """Verify cycles per step where none are asked for: 4 on an accelerator, whose cycles
+    of a small model take about as long as the host's work for a step, and 1 on a CPU,
+    whose cycles take far longer (more would only make new requests wait)."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return 1 if platform == "cpu" else 4
 
 
 def clear_compiled_programs() -> None:

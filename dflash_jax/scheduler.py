@@ -3,12 +3,14 @@ preemption and window eviction. No model and no device here: it decides what the
 runs and keeps each request's bookkeeping, and the Engine turns that into a device step.
 
 Each step runs the running requests first (1 + N verify rows each), then admits waiting ones
-into free slots; prefill chunks take the token budget that is left. Pages are reserved for
+into free slots; prefill chunks take the token budget that is left. A step in which every
+request decodes may run several verify cycles on the device (`cycles_per_step`): the host's
+work per step is then spread over that many cycles. Pages are reserved for
 everything a step may write; when they run out, the most recently admitted request that is
 not in this step is preempted: its pages and slot are freed, and it is recomputed later from
 its prompt and the tokens it already has. A request's step in flight may be uncommitted (the
 Engine launches step k + 1 before it reads step k): its verify rows' count is known then, not
-how many of them were accepted, so pages are reserved for all of them.
+how many of them were accepted, so pages are reserved for all of them, in every cycle.
 """
 
 from __future__ import annotations
@@ -77,14 +79,17 @@ class Work:
     samples: bool  # the step gives the request a token (verify, or the last chunk of a fresh prefill)
     epoch: int  # the request's epoch at launch
     ends_prefill: bool = False  # the request decodes after this chunk
+    cycles: int = 1  # verify cycles the step runs (each commits at least one token while the request lasts)
 
 
 class Scheduler:
     """Which requests run in the next step, in which slot, on which pages."""
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, num_drafts: int, lookahead: int, page_size: int,
-                 allocator: PageAllocator, window_allocators: list[PageAllocator], windows: tuple[int, ...]):
+                 allocator: PageAllocator, window_allocators: list[PageAllocator], windows: tuple[int, ...],
+                 cycles_per_step: int = 1):
         self.max_num_reqs = max_num_reqs
+        self.cycles_per_step = cycles_per_step  # verify cycles a step of decoding requests runs at most
         self.max_num_tokens = max_num_tokens
         self.num_drafts = num_drafts
         self.lookahead = lookahead  # positions past a step's rows that it writes (the drafter's block)
@@ -116,17 +121,16 @@ class Scheduler:
         budget = self.max_num_tokens
         work: list[Work] = []
         ending: list[Request] = []  # finished by the step in flight: their pages free at its commit
+        cycles = self._cycles()
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while scheduling an earlier request
-            flight = request.in_flight
             if request.decoding:
-                if flight is not None and flight.samples and request.num_generated + 1 >= request.params.max_new_tokens:
+                if self._tokens_left(request) <= 0:
                     ending.append(request)  # the step in flight gives its last token
                     continue
                 rows = 1 + self.num_drafts
-                # The anchor is at most the step in flight's verify rows past num_computed.
-                end = request.num_computed + (rows if flight is not None and flight.verifying else 0) + rows
+                end = self._verified_end(request, cycles)
             else:
                 rows = min(request.prefill_end - request.num_computed, budget)
                 end = request.num_computed + rows
@@ -136,9 +140,38 @@ class Scheduler:
                 continue
             samples = request.decoding or end == len(request.tokens)
             work.append(Work(request, rows, request.decoding, samples, request.epoch,
-                             ends_prefill=not request.decoding and end == request.prefill_end))
+                             ends_prefill=not request.decoding and end == request.prefill_end,
+                             cycles=cycles if request.decoding else 1))
             budget -= rows
         return work
+
+    def _tokens_left(self, request: Request) -> int:
+        """Tokens the request may still get beyond the step in flight's: at most this many
+        cycles are of use to it, since each cycle commits at least one."""
+        flight = request.in_flight
+        in_flight = flight.cycles if flight is not None and flight.samples else 0
+        return request.params.max_new_tokens - request.num_generated - in_flight
+
+    def _verified_end(self, request: Request, cycles: int) -> int:
+        """The end of the positions a decoding request's next step of `cycles` cycles may
+        write: its anchor is at most the step in flight's verify rows past num_computed."""
+        rows, flight = 1 + self.num_drafts, request.in_flight
+        in_flight = flight.cycles * rows if flight is not None and flight.verifying else 0
+        return request.num_computed + in_flight + cycles * rows
+
+    def _cycles(self) -> int:
+        """Cycles for the next step: `cycles_per_step` when every running request decodes
+        (cut to the fewest tokens one of them has left) and the pages for them are free
+        without preempting anyone; else one."""
+        if self.cycles_per_step == 1 or not all(r.decoding for r in self.running):
+            return 1
+        going_on = [r for r in self.running if self._tokens_left(r) > 0]
+        if not going_on:
+            return 1
+        cycles = min(self.cycles_per_step, *(self._tokens_left(r) for r in going_on))
+        missing = sum(max(self.pages_needed(min(self._verified_end(r, cycles) + self.lookahead, self._longest(r)))
+                          - len(r.pages), 0) for r in going_on)
+        return cycles if missing <= self.allocator.num_free else 1
 
     def launched(self, work: list[Work]) -> None:
         """Record that `work` is on the device: prefill chunks' rows are all computed now."""
@@ -182,8 +215,7 @@ class Scheduler:
         Capped at what the request can ever touch (its longest sequence and one draft block
         after it), which `Engine.add_request` checked fits the cache.
         """
-        longest = request.prompt_len + request.params.max_new_tokens + self.lookahead
-        num_pages = self.pages_needed(min(num_positions, longest))
+        num_pages = self.pages_needed(min(num_positions, self._longest(request)))
         missing = num_pages - len(request.pages)
         while missing > 0:
             try:
@@ -199,6 +231,10 @@ class Scheduler:
         for table, allocator in zip(request.window_pages, self.window_allocators):
             table += allocator.allocate(max(num_pages - len(table), 0))  # sized never to run out
         return True
+
+    def _longest(self, request: Request) -> int:
+        """Positions the request can ever touch: its longest sequence and one draft block after it."""
+        return request.prompt_len + request.params.max_new_tokens + self.lookahead
 
     def _evict_out_of_window(self, request: Request) -> None:
         """Give back windowed-group pages no future query can see (spec section 2's window)."""

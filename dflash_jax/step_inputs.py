@@ -40,6 +40,7 @@ INT_FIELDS = (
     ("stop_ids", "RE", -1),
     ("top_k", "R", 0),
     ("seeds", "R", 0),
+    ("cycles", "1", 1),  # verify cycles the step runs (more than one only when every row verifies)
 )
 FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0))
 
@@ -59,7 +60,9 @@ class StepInputs:
 
     def fill(self, work: list[Work], num_query: int) -> None:
         """Rows for `work`, in order: each request's tokens (a prefill chunk) or blank verify
-        rows, its pages and its sampling parameters."""
+        rows, its pages and its sampling parameters; the step's cycles (`Work.cycles`, the
+        same for every share of a step)."""
+        self.cycles[0] = work[0].cycles
         start = 0
         for r, w in enumerate(work):
             request, rows = w.request, w.rows
@@ -96,7 +99,7 @@ class StepInputs:
 def _blank(num_rows, num_tokens, num_query, pages_per_req, max_num_reqs, num_window_groups, max_stop_ids):
     """(the padding-filled buffer, the layout) of steps of these sizes; the buffer is copied, never written."""
     sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "P": pages_per_req,
-             "E": max_stop_ids}
+             "E": max_stop_ids, "1": 1}
     fields = [(name, letters, fill, "int32") for name, letters, fill in INT_FIELDS]
     fields += [(f"window_table_{i}", "RP", NULL_PAGE, "int32") for i in range(num_window_groups)]
     fields += [(name, letters, fill, "float32") for name, letters, fill in FLOAT_FIELDS]
@@ -120,10 +123,10 @@ def _view(buffer, shape, offset: int, dtype: str):
     return field.reshape(shape)
 
 
-def unpack(buffer, layout) -> tuple[CycleBatch, object]:
-    """(the step's `CycleBatch`, each row's last position) from `StepInputs`' buffer and
-    static layout. The batch's `remaining_R` holds the rows' `samples` flags: the step turns
-    them into counts once the verify rows' anchor positions are known."""
+def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
+    """(the step's `CycleBatch`, each row's last position, the step's cycles) from
+    `StepInputs`' buffer and static layout. The batch's `remaining_R` holds the rows' `samples`
+    flags: the step turns them into counts once the verify rows' anchor positions are known."""
     f = {name: _view(buffer, shape, offset, dtype) for name, shape, offset, dtype in layout}
     target = TargetBatch(
         token_ids=f["tokens"], positions=f["positions"], rows=f["rows"], slots=None,  # `fill_verify_rows`
@@ -137,4 +140,4 @@ def unpack(buffer, layout) -> tuple[CycleBatch, object]:
         sampling=SamplingRows(temperature_R=f["temperature"], top_k_R=f["top_k"], top_p_R=f["top_p"],
                               seeds_R=f["seeds"]),
     )
-    return batch, f["last_pos"]
+    return batch, f["last_pos"], f["cycles"][0]

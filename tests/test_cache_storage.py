@@ -58,14 +58,16 @@ def test_rows_of_another_width_are_refused():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the reference kernels' storage, on a CPU")
-def test_engine_steps_write_the_caches_in_place(tmp_path):
+@pytest.mark.parametrize("cycles_per_step", [1, 3])
+def test_engine_steps_write_the_caches_in_place(tmp_path, cycles_per_step):
     """A bfloat16 Engine at an 8192-position max length: every step program's temporary
     memory is a small fraction of the caches. A step that copied them needs their size or
     twice it: a float32 round trip around a bfloat16 scatter does that on a CPU, and so did
-    one-token steps whose attention read the caches through a view taken outside its loop."""
+    one-token steps whose attention read the caches through a view taken outside its loop.
+    Steps of several cycles carry the caches through a loop, in place as well."""
     target = dflash_jax.load_target(save_hf(make_hf_target(seed=1, max_position_embeddings=8192), tmp_path / "t"),
                                     dtype="bfloat16")
-    engine = dflash_jax.Engine(target, None, max_num_reqs=2, max_num_tokens=16)
+    engine = dflash_jax.Engine(target, None, max_num_reqs=2, max_num_tokens=16, cycles_per_step=cycles_per_step)
     cache = kv_cache_bytes(num_layers=target.cfg.num_layers, num_pages=engine.scheduler.allocator.num_pages,
                            page_size=engine.page_size, num_kv_heads=target.cfg.num_kv_heads,
                            head_dim=target.cfg.head_dim, dtype=target.dtype)

@@ -338,7 +338,7 @@ def test_unpack_round_trip_under_jit():
 
 def test_fill_verify_rows_takes_verify_rows_from_the_state():
     inputs = filled_step_inputs()
-    batch, _ = unpack(jnp.asarray(inputs.buffer), inputs.layout)
+    batch, _, _ = unpack(jnp.asarray(inputs.buffer), inputs.layout)
     state = DecodeState(
         target_cache=PagedKVCache((), (), PAGE),  # only its page size is read
         draft_caches=(),

@@ -65,15 +65,16 @@ def test_parameters_changed_after_construction_are_used(tmp_path):
     assert [engine.output(i) for i in ids] == after
 
 
-@pytest.mark.parametrize("drafter_name, block_size, async_scheduling", [
-    ("full", 4, True), ("full", 4, False), pytest.param("full", 2, True, marks=pytest.mark.slow),
-    pytest.param("sliding", 4, True, marks=pytest.mark.slow), (None, None, True), (None, None, False),
+@pytest.mark.parametrize("drafter_name, block_size, async_scheduling, cycles_per_step", [
+    ("full", 4, True, 1), ("full", 4, False, 1), pytest.param("full", 2, True, 1, marks=pytest.mark.slow),
+    pytest.param("sliding", 4, True, 1, marks=pytest.mark.slow), (None, None, True, 1), (None, None, False, 1),
+    ("full", 4, True, 3), pytest.param("sliding", 4, False, 3, marks=pytest.mark.slow), (None, None, True, 3),
 ])
-def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling):
+def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling, cycles_per_step):
     target, drafters, reference = models
     drafter = drafters.get(drafter_name)
     engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, block_size=block_size,
-                    async_scheduling=async_scheduling)
+                    async_scheduling=async_scheduling, cycles_per_step=cycles_per_step)
     ids = run(engine, PROMPTS, SamplingParams(max_new_tokens=20), arrive_late=(3, 4))
     assert [engine.output(i) for i in ids] == reference
     if drafter is not None:

@@ -72,6 +72,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-num-reqs", type=int, default=8, help="requests decoded together (a power of two)")
     parser.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step (a power of two)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + answer (default: the target's limit)")
+    parser.add_argument("--cycles-per-step", type=int,
+                        help="verify cycles one engine step runs while every request decodes; more spread the "
+                        "host's work per step, fewer admit new requests sooner (default: 4 on a GPU, 1 on a CPU)")
     parser.add_argument("--block-size", type=int,
                         help="verified block (default: the drafter's; for the demo pair on a CPU 8 in bfloat16, "
                         "4 in float32, as `demo`)")
@@ -210,7 +213,8 @@ def load_engine(args):
     engine = dflash_jax.Engine(models.target, models.drafter, max_num_reqs=args.max_num_reqs,
                                max_num_tokens=args.max_num_tokens,
                                block_size=models.info.block_size if models.drafter is not None else None,
-                               max_model_len=args.max_model_len, draft_sampling=args.draft_sampling)
+                               max_model_len=args.max_model_len, draft_sampling=args.draft_sampling,
+                               cycles_per_step=args.cycles_per_step)
     return engine, models.tokenizer, models.info
 
 
