@@ -166,7 +166,7 @@ class Engine:
             greedy=False,  # set per program: `_step_program`'s `greedy`
             draft_sampling=check_draft_sampling(draft_sampling),
         )
-        self._executables = _executables(treedefs, cfg, self.cycles_per_step)
+        self._executables = _executables(treedefs, cfg, self.cycles_per_step, _platform(target.mesh))
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
@@ -469,8 +469,9 @@ class _Executables:
     """The compiled step programs of one jitted step, by (argument shapes, static layout,
     greedy); each compiled once even when two threads ask for it at the same time."""
 
-    def __init__(self, jitted):
+    def __init__(self, jitted, compiler_options: dict):
         self.jitted = jitted
+        self.compiler_options = compiler_options
         self.compiled: dict = {}
         self._canonical: dict = {}
         self._locks: dict = {}
@@ -490,15 +491,15 @@ class _Executables:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
             if key not in self.compiled:
-                self.compiled[key] = self.jitted.lower(*shapes()).compile()
+                self.compiled[key] = self.jitted.lower(*shapes()).compile(self.compiler_options or None)
         return self.compiled[key]
 
 
 @functools.lru_cache(maxsize=None)
-def _executables(treedefs, cfg: CycleConfig, max_cycles: int) -> _Executables:
+def _executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> _Executables:
     """The step of engines with these models' structures, cycle configuration and most
-    cycles per step, made once per (treedefs, cfg, max_cycles): engines of one model share its
-    compiled programs. Each program is compiled ahead of time from argument shapes
+    cycles per step on `platform`, made once per (treedefs, cfg, max_cycles, platform):
+    engines of one model share its compiled programs. Each program is compiled ahead of time from argument shapes
     (`Engine.precompile` may run on another thread than the steps). Parameters travel as flat
     lists of arrays (`flat_models`): no graph hashing or pytree flattening per step."""
 
@@ -539,15 +540,29 @@ def _executables(treedefs, cfg: CycleConfig, max_cycles: int) -> _Executables:
         state, _, packed_CRW = jax.lax.fori_loop(0, cycles, body, (state, not_stopped_R, packed_CRW))
         return state, packed_CRW
 
-    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)))
+    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)),
+                        STEP_COMPILER_OPTIONS.get(platform, {}))
 
 
 def default_cycles_per_step(mesh: Mesh | None = None) -> int:
     """Verify cycles per step where none are asked for: 4 on an accelerator, whose cycles
     of a small model take about as long as the host's work for a step, and 1 on a CPU,
     whose cycles take far longer (more would only make new requests wait)."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return 1 if platform == "cpu" else 4
+    return 1 if _platform(mesh) == "cpu" else 4
+
+
+def _platform(mesh: Mesh | None) -> str:
+    """The platform the Engine's programs run on: its mesh's, else the default backend's."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+# XLA options of the step programs per platform. On a GPU, XLA runs a loop's iterations by
+# reading its condition back on the host, which holds the host in the step's launch for all
+# of its cycles; with the loop and its conditionals inside CUDA graphs (command buffers) the
+# device runs them alone and the launch returns at once.
+STEP_COMPILER_OPTIONS = {
+    "gpu": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
+}
 
 
 def clear_compiled_programs() -> None:
