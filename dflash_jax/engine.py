@@ -512,7 +512,8 @@ def _executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> 
         mesh = models[0].mesh
 
         def cycle(state, stopped_R):
-            """One verify cycle; rows stopped in an earlier cycle of this step commit nothing."""
+            """One verify cycle; rows stopped in an earlier cycle of this step commit nothing.
+            Also whether any row has tokens left to commit after it."""
             with jax.named_scope("fill_verify_rows"):
                 rows = fill_verify_rows(batch, state)
                 remaining_R = jnp.where(samples_R & ~stopped_R, last_pos_R - rows.anchor_pos_R, 0)
@@ -523,21 +524,25 @@ def _executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> 
                 "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
             packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
                                       committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
-            return state, stopped_R | committed.stopped_R, packed
+            stopped_R = stopped_R | committed.stopped_R
+            going = jnp.any(~stopped_R & (remaining_R - committed.count_R > 0))
+            return state, stopped_R, packed, going
 
         not_stopped_R = jnp.zeros(samples_R.shape, bool)
         if max_cycles == 1:
-            state, _, packed = cycle(state, not_stopped_R)
+            state, _, packed, _ = cycle(state, not_stopped_R)
             return state, packed[None]
 
-        def body(i, carry):
-            state, stopped_R, packed_CRW = carry
-            state, stopped_R, packed = cycle(state, stopped_R)
-            return state, stopped_R, packed_CRW.at[i].set(packed)
+        def body(carry):
+            i, state, stopped_R, _, packed_CRW = carry
+            state, stopped_R, packed, going = cycle(state, stopped_R)
+            return i + 1, state, stopped_R, going, packed_CRW.at[i].set(packed)
 
+        # Cycles left unrun (every row ended) read as committing nothing.
         num_rows, num_query = batch.verify_rows_RQ.shape
         packed_CRW = jnp.zeros((max_cycles, num_rows, num_query + 2), jnp.int32)
-        state, _, packed_CRW = jax.lax.fori_loop(0, cycles, body, (state, not_stopped_R, packed_CRW))
+        carry = (jnp.int32(0), state, not_stopped_R, jnp.bool_(True), packed_CRW)
+        _, state, _, _, packed_CRW = jax.lax.while_loop(lambda c: (c[0] < cycles) & c[3], body, carry)
         return state, packed_CRW
 
     return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import time
 from collections import deque
 
@@ -162,28 +161,18 @@ class Scheduler:
 
     def _cycles(self) -> int:
         """Cycles for the next step: when every running request decodes, as many as the one
-        with most to go is expected to use (`cycles_per_step` at most), if the pages for them
-        are free without preempting anyone; else one. Requests that end sooner commit
-        nothing in the cycles after their end."""
+        with most tokens left may use (`cycles_per_step` at most), if the pages for them are
+        free without preempting anyone; else one. The step ends on the device once no row
+        has anything left to commit, so a cycle past every request's end is never run."""
         if self.cycles_per_step == 1 or not all(r.decoding for r in self.running):
             return 1
         going_on = [r for r in self.running if self._tokens_left(r) > 0]
         if not going_on:
             return 1
-        cycles = min(self.cycles_per_step, max(map(self._cycles_expected, going_on)))
+        cycles = min(self.cycles_per_step, max(map(self._tokens_left, going_on)))
         missing = sum(max(self.pages_needed(min(self._verified_end(r, cycles) + self.lookahead, self._longest(r)))
                           - len(r.pages), 0) for r in going_on)
         return cycles if missing <= self.allocator.num_free else 1
-
-    def _cycles_expected(self, request: Request) -> int:
-        """Cycles the request is expected to use beyond the step in flight: its tokens left
-        at the tokens per cycle it has had so far (its first token came from its prefill)."""
-        cycles_so_far = len(request.stats.accepted_lengths)
-        per_cycle = max((request.num_generated - 1) / cycles_so_far, 1.0) if cycles_so_far else 1.0
-        flight = request.in_flight
-        in_flight = 0.0 if flight is None or not flight.samples else flight.cycles * per_cycle if flight.verifying else 1.0
-        left = request.params.max_new_tokens - request.num_generated - in_flight
-        return max(math.ceil(left / per_cycle), 1)
 
     def launched(self, work: list[Work]) -> None:
         """Record that `work` is on the device: prefill chunks' rows are all computed now."""

@@ -302,6 +302,7 @@ def test_step_inputs_fill():
     assert inputs.seeds.tolist() == [11, 0, 0]
     assert inputs.temperature.tolist() == [0.5, 0.0, 0.0]
     assert inputs.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0])
+    assert inputs.cycles.tolist() == [1]  # a step with a prefill chunk runs one cycle
     # The named fields are views of the one buffer that travels to the device (floats too).
     assert inputs.buffer.ndim == 1 and inputs.buffer.dtype == np.int32 and inputs.top_p.dtype == np.float32
     for name in ("tokens", "page_table", "stop_ids", "seeds", "window_table_0", "temperature", "top_p"):
@@ -310,8 +311,9 @@ def test_step_inputs_fill():
 
 def test_unpack_round_trip_under_jit():
     inputs = filled_step_inputs()
-    batch, last_pos_R = jax.jit(unpack, static_argnums=1)(jnp.asarray(inputs.buffer), inputs.layout)
-    assert as_list(last_pos_R) == [14, 136, 0]
+    inputs.cycles[0] = 3  # as if every row verified
+    batch, last_pos_R, cycles = jax.jit(unpack, static_argnums=1)(jnp.asarray(inputs.buffer), inputs.layout)
+    assert as_list(last_pos_R) == [14, 136, 0] and int(cycles) == 3
     target = batch.target
     assert as_list(target.token_ids) == inputs.tokens.tolist()
     assert as_list(target.positions) == inputs.positions.tolist()

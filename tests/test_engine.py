@@ -68,7 +68,8 @@ def test_parameters_changed_after_construction_are_used(tmp_path):
 @pytest.mark.parametrize("drafter_name, block_size, async_scheduling, cycles_per_step", [
     ("full", 4, True, 1), ("full", 4, False, 1), pytest.param("full", 2, True, 1, marks=pytest.mark.slow),
     pytest.param("sliding", 4, True, 1, marks=pytest.mark.slow), (None, None, True, 1), (None, None, False, 1),
-    ("full", 4, True, 3), pytest.param("sliding", 4, False, 3, marks=pytest.mark.slow), (None, None, True, 3),
+    ("full", 4, True, 3), pytest.param("sliding", 4, False, 3, marks=pytest.mark.slow),
+    pytest.param(None, None, True, 3, marks=pytest.mark.slow),
 ])
 def test_engine_equals_autoregressive(models, drafter_name, block_size, async_scheduling, cycles_per_step):
     target, drafters, reference = models
@@ -111,6 +112,32 @@ def test_async_scheduling_returns_each_step_one_call_later(models, drafter_name)
             returned[async_scheduling].append(engine.step())
     assert returned[False][-1][0].finish_reason == "stop"
     assert returned[True] == [[]] + returned[False]
+
+
+@pytest.mark.parametrize("drafter_name", ["full", None])
+def test_cycles_per_step_change_the_steps_not_the_tokens(models, drafter_name):
+    """Several verify cycles per step give every request the tokens, accepted lengths and
+    finish reasons of one cycle per step (seeded sampling, a stop token, lengths that end
+    inside a step), in fewer steps."""
+    target, drafters, reference = models
+    stop = reference[2][9]
+    params = [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=7, temperature=0.9, seed=3),
+              SamplingParams(max_new_tokens=20, stop_token_ids=(stop,)),
+              SamplingParams(max_new_tokens=13, temperature=1.2, top_k=20, seed=5)]
+    results = {}
+    for cycles_per_step in (1, 4):
+        engine = Engine(target, drafters.get(drafter_name), max_num_reqs=4, max_num_tokens=32,
+                        cycles_per_step=cycles_per_step)
+        ids = [engine.add_request(p, q) for p, q in zip(PROMPTS[:4], params)]
+        steps, reasons = 0, {}
+        while engine.has_unfinished():
+            reasons.update({out.request_id: out.finish_reason for out in engine.step() if out.finished})
+            steps += 1
+        results[cycles_per_step] = ([engine.output(i) for i in ids], [engine.stats(i).accepted_lengths for i in ids],
+                                    [reasons[i] for i in ids], steps)
+    assert results[4][:3] == results[1][:3]
+    assert results[1][2] == ["length", "length", "stop", "length"]
+    assert results[4][3] < results[1][3]
 
 
 @pytest.mark.slow

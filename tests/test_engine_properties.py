@@ -1,6 +1,7 @@
 """A property test over Engine workloads: random mixes of prompts, greedy and seeded sampled
-requests, cache sizes that force preemption, aborts at random steps and malformed requests.
-Every valid request's output equals its output in an ample cache with no companions' aborts
+requests, cache sizes that force preemption, aborts at random steps and malformed requests,
+up to three verify cycles per step.
+Every valid request's output equals its output in an ample cache (one cycle per step) with no companions' aborts
 (greedy: `generate_autoregressive`'s in float32); malformed ones are refused at
 `add_request`; nothing hangs."""
 
@@ -71,7 +72,7 @@ def run(engine, requests):
 @given(requests=st.lists(request, min_size=1, max_size=5))
 def test_each_request_is_what_it_would_be_alone(pair, requests):
     target, drafter = pair
-    tight = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, num_pages=12)
+    tight = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, num_pages=12, cycles_per_step=3)
     outputs, aborted = run(tight, requests)
     ample = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4)
     expected, _ = run(ample, [dict(r, abort_at=None) for r in requests])

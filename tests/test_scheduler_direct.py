@@ -97,6 +97,43 @@ def test_pages_are_reserved_for_the_verify_step_in_flight():
     assert s.allocator.num_free == 63 - 5
 
 
+def test_decoding_steps_run_several_cycles_with_pages_for_each():
+    s = make_scheduler(max_num_reqs=2, num_drafts=3)
+    s.cycles_per_step = 4
+    a = make_request(0, 6, max_new_tokens=20)
+    s.add(a)
+    prefill = s.schedule()
+    assert [w.cycles for w in prefill] == [1]
+    s.launched(prefill)
+    verify = s.schedule()
+    # Its anchor sits at 6; four cycles of 4 rows may reach 6 + 16 - 1 = 21 and the drafter's
+    # block after the last one up to 25: 26 positions, 7 pages.
+    assert shape(verify) == [(0, 4, True, True)] and verify[0].cycles == 4 and len(a.pages) == 7
+    s.launched(verify)
+    commit_all(s, prefill, 0)
+    b = make_request(1, 3, max_new_tokens=20)
+    s.add(b)
+    work = s.schedule()  # b prefills: one cycle for everyone
+    assert [(w.request, w.cycles) for w in work] == [(a, 1), (b, 1)]
+
+
+def test_cycles_stop_at_the_tokens_left_and_at_the_free_pages():
+    s = make_scheduler(max_num_reqs=1, num_drafts=3)
+    s.cycles_per_step = 8
+    a = make_request(0, 6, max_new_tokens=4)
+    s.add(a)
+    s.launched(s.schedule())
+    # The prefill in flight gives 1 of a's 4 tokens; each cycle gives at least one more.
+    assert s.schedule()[0].cycles == 3
+    tight = make_scheduler(max_num_reqs=1, num_drafts=3, num_pages=9)  # 8 usable pages
+    tight.cycles_per_step = 8
+    b = make_request(1, 6, max_new_tokens=30)
+    tight.add(b)
+    tight.launched(tight.schedule())
+    # Eight cycles would need pages up to position 6 + 32 + 4 = 42 (11 pages): one cycle.
+    assert tight.schedule()[0].cycles == 1
+
+
 def test_reservation_is_capped_at_the_longest_sequence():
     s = make_scheduler(max_num_reqs=1, num_drafts=3)
     a = make_request(0, 6, max_new_tokens=2)
@@ -240,9 +277,10 @@ def needed_positions(w, start, anchor_outcome, num_drafts, lookahead, window):
 @given(num_drafts=st.integers(1, 3), extra_block=st.integers(0, 2), page=st.sampled_from([1, 2, 4]),
        max_num_reqs=st.integers(1, 3), extra_tokens=st.integers(0, 8), window=st.sampled_from([None, 2, 5]),
        spare_pages=st.integers(0, 12), async_scheduling=st.booleans(), seed=st.integers(0, 2**32 - 1),
-       lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=5))
+       lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=5),
+       cycles_per_step=st.sampled_from([1, 1, 2, 3]))
 def test_engine_like_loop_keeps_the_books(num_drafts, extra_block, page, max_num_reqs, extra_tokens, window,
-                                          spare_pages, async_scheduling, seed, lengths):
+                                          spare_pages, async_scheduling, seed, lengths, cycles_per_step):
     rng = np.random.default_rng(seed)
     lookahead = num_drafts + 1 + extra_block  # the drafter's block, at least 1 + N
     max_num_tokens = 1 + num_drafts + extra_tokens
@@ -251,10 +289,12 @@ def test_engine_like_loop_keeps_the_books(num_drafts, extra_block, page, max_num
     num_pages = 1 + longest + spare_pages
     windows = (window,) if window else ()
     # The Engine's fixed pool per windowed group, "sized never to run out".
-    window_total = 1 + max_num_reqs * -(-(window + max_num_tokens + 2 * lookahead + 2 * page) // page) if window else 0
+    step_span = max(max_num_tokens, 2 * cycles_per_step * (1 + num_drafts))
+    window_total = 1 + max_num_reqs * -(-(window + step_span + 2 * lookahead + 2 * page) // page) if window else 0
     s = Scheduler(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_drafts=num_drafts,
                   lookahead=lookahead, page_size=page, allocator=PageAllocator(num_pages),
-                  window_allocators=[PageAllocator(window_total) for _ in windows], windows=windows)
+                  window_allocators=[PageAllocator(window_total) for _ in windows], windows=windows,
+                  cycles_per_step=cycles_per_step)
     requests = [make_request(i, p, m) for i, (p, m, _) in enumerate(lengths)]
     arrivals = [arrive for _, _, arrive in lengths]
     stopped = set()
@@ -262,6 +302,12 @@ def test_engine_like_loop_keeps_the_books(num_drafts, extra_block, page, max_num
 
     def commit(launch):
         work, records = launch
+        for w in work:  # cycle after cycle, as the Engine commits them
+            assert w.cycles == (work[0].cycles if w.verifying else 1) and 1 <= w.cycles <= cycles_per_step
+        for _ in range(work[0].cycles):
+            commit_cycle(work, records)
+
+    def commit_cycle(work, records):
         for w in work:
             if not s.is_current(w):
                 continue

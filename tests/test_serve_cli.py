@@ -46,6 +46,7 @@ def refused(capsys, argv) -> str:
     (["--no-drafter", "--drafter", "/x"], "contradict"),
     (["--target", "/x", "--block-size", "4"], "needs --drafter"),
     (["--max-queue", "0"], "--max-queue"),
+    (["--cycles-per-step", "0"], "--cycles-per-step"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, no_bind, argv, said):
     assert said in refused(capsys, argv)

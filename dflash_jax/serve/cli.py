@@ -150,6 +150,8 @@ def _check_flags(args) -> None:
         raise ValueError("--block-size sets the verified draft block; it needs a drafter, drop --no-drafter.")
     if args.drafter is None and args.target is not None and args.block_size is not None:
         raise ValueError("--block-size sets the verified draft block; it needs --drafter.")
+    if args.cycles_per_step is not None and args.cycles_per_step < 1:
+        raise ValueError(f"--cycles-per-step must be at least 1, got {args.cycles_per_step}.")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}.")
     if args.shutdown_timeout < 0:
