@@ -24,19 +24,16 @@ randomness do not depend on it: each cycle's draws are keyed by position, as in 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
 import time
 from typing import Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.cycle import CycleConfig, DecodeState, fill_verify_rows, speculative_cycle
-from dflash_jax.flat_models import flatten_models, unflatten_models
+from dflash_jax.cycle import CycleConfig, DecodeState
+from dflash_jax.flat_models import flatten_models
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
@@ -47,8 +44,8 @@ from dflash_jax.requests import (
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
-from dflash_jax.sharding import replicated
-from dflash_jax.step_inputs import StepInputs, unpack
+from dflash_jax.step_inputs import StepInputs
+from dflash_jax.step_program import HashedOnce, default_cycles_per_step, executables, num_traces, platform_of, shape_of
 from pallas_kernels.common import next_pow2
 
 # Distinct stop token ids one request may have (the width of the step's stop-id rows).
@@ -60,12 +57,8 @@ class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
     work: list[Work]
-    packed: jax.Array  # int32 [C, R, Q + 2]: each cycle's `Committed` packed (tokens, count, stopped) for one transfer
+    packed: jax.Array  # int32 [cycles, R, Q + 2]: each cycle's `Committed` packed (tokens, count, stopped) for one transfer
     cycles: int  # cycles the step runs: the first of packed's C rows
-
-
-# Traces of the step program; a test asserts that a warmed-up engine adds none.
-_traces = [0]
 
 
 class Engine:
@@ -166,7 +159,7 @@ class Engine:
             greedy=False,  # set per program: `_step_program`'s `greedy`
             draft_sampling=check_draft_sampling(draft_sampling),
         )
-        self._executables = _executables(treedefs, cfg, self.cycles_per_step, _platform(target.mesh))
+        self._executables = executables(treedefs, cfg, self.cycles_per_step, platform_of(target.mesh))
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
@@ -179,8 +172,8 @@ class Engine:
                 lambda x: x if len(x.sharding.device_set) > 1 else jax.device_put(x, self._whole), self._state)
         # Shapes of the arguments every program takes: programs compile from these alone, on
         # any thread, while steps donate and replace the arrays themselves.
-        self._argument_shapes = jax.tree.map(_shape_of, (self._param_leaves(), self._state))
-        self._argument_shapes_key = self._executables.canonical(_HashedOnce(
+        self._argument_shapes = jax.tree.map(shape_of, (self._param_leaves(), self._state))
+        self._argument_shapes_key = self._executables.canonical(HashedOnce(
             (jax.tree.structure(self._argument_shapes), *jax.tree.leaves(self._argument_shapes))))
         self._keys: dict[Program, tuple] = {}
         self.programs: tuple[Program, ...] = tuple(programs(
@@ -320,7 +313,7 @@ class Engine:
     @staticmethod
     def num_traces() -> int:
         """How many step programs have been traced (compiled) in this process."""
-        return _traces[0]
+        return num_traces()
 
     # ---- launch and commit --------------------------------------------------------------
 
@@ -376,7 +369,7 @@ class Engine:
         sizes has compiled it yet."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
-            return (*self._argument_shapes, _shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy)
+            return (*self._argument_shapes, shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy)
 
         return self._executables.get(self._key(program), shapes)
 
@@ -440,138 +433,3 @@ class Engine:
     def _param_leaves(self) -> tuple[list[jax.Array], ...]:
         """The models' current parameter arrays: each step reads values updated in place."""
         return flatten_models(self._models)[1]
-
-
-def _shape_of(array, sharding=None) -> jax.ShapeDtypeStruct:
-    """`array`'s shape, dtype and placement (`sharding` for a host array about to be sent there)."""
-    return jax.ShapeDtypeStruct(array.shape, array.dtype, weak_type=getattr(array, "weak_type", False),
-                                sharding=getattr(array, "sharding", sharding))
-
-
-class _HashedOnce:
-    """A key hashed once: the argument shapes of a large model are hundreds of leaves, and
-    hashing them anew would add to every step's program lookup on the host."""
-
-    __slots__ = ("value", "_hash")
-
-    def __init__(self, value: tuple):
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, _HashedOnce) and self._hash == other._hash
-                                 and self.value == other.value)
-
-
-class _Executables:
-    """The compiled step programs of one jitted step, by (argument shapes, static layout,
-    greedy); each compiled once even when two threads ask for it at the same time."""
-
-    def __init__(self, jitted, compiler_options: dict):
-        self.jitted = jitted
-        self.compiler_options = compiler_options
-        self.compiled: dict = {}
-        self._canonical: dict = {}
-        self._locks: dict = {}
-        self._locks_lock = threading.Lock()
-
-    def canonical(self, key: _HashedOnce) -> _HashedOnce:
-        """The one object standing for `key`'s value here: engines of the same models and
-        sizes then find their programs by identity, without comparing every leaf's shape."""
-        return self._canonical.setdefault(key, key)
-
-    def get(self, key, shapes: Callable[[], tuple]):
-        """The executable for `key`, compiled from the argument shapes `shapes()` if new."""
-        executable = self.compiled.get(key)
-        if executable is not None:
-            return executable
-        with self._locks_lock:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            if key not in self.compiled:
-                self.compiled[key] = self.jitted.lower(*shapes()).compile(self.compiler_options or None)
-        return self.compiled[key]
-
-
-@functools.lru_cache(maxsize=None)
-def _executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> _Executables:
-    """The step of engines with these models' structures, cycle configuration and most
-    cycles per step on `platform`, made once per (treedefs, cfg, max_cycles, platform):
-    engines of one model share its compiled programs. Each program is compiled ahead of time from argument shapes
-    (`Engine.precompile` may run on another thread than the steps). Parameters travel as flat
-    lists of arrays (`flat_models`): no graph hashing or pytree flattening per step."""
-
-    def step(param_leaves, state, buffer, layout, greedy):
-        _traces[0] += 1
-        models = unflatten_models(treedefs, param_leaves)
-        batch, last_pos_R, cycles = unpack(buffer, layout)
-        cycle_cfg = dataclasses.replace(cfg, greedy=greedy)
-        samples_R = batch.remaining_R > 0
-        mesh = models[0].mesh
-
-        def cycle(state, stopped_R):
-            """One verify cycle; rows stopped in an earlier cycle of this step commit nothing.
-            Also whether any row has tokens left to commit after it."""
-            with jax.named_scope("fill_verify_rows"):
-                rows = fill_verify_rows(batch, state)
-                remaining_R = jnp.where(samples_R & ~stopped_R, last_pos_R - rows.anchor_pos_R, 0)
-            state, committed = speculative_cycle(models, state, dataclasses.replace(rows, remaining_R=remaining_R),
-                                                 cycle_cfg)
-            # The donated state comes back placed as it went in (see Engine._whole).
-            state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
-                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
-            packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
-                                      committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
-            stopped_R = stopped_R | committed.stopped_R
-            going = jnp.any(~stopped_R & (remaining_R - committed.count_R > 0))
-            return state, stopped_R, packed, going
-
-        not_stopped_R = jnp.zeros(samples_R.shape, bool)
-        if max_cycles == 1:
-            state, _, packed, _ = cycle(state, not_stopped_R)
-            return state, packed[None]
-
-        def body(carry):
-            i, state, stopped_R, _, packed_CRW = carry
-            state, stopped_R, packed, going = cycle(state, stopped_R)
-            return i + 1, state, stopped_R, going, packed_CRW.at[i].set(packed)
-
-        # Cycles left unrun (every row ended) read as committing nothing.
-        num_rows, num_query = batch.verify_rows_RQ.shape
-        packed_CRW = jnp.zeros((max_cycles, num_rows, num_query + 2), jnp.int32)
-        carry = (jnp.int32(0), state, not_stopped_R, jnp.bool_(True), packed_CRW)
-        _, state, _, _, packed_CRW = jax.lax.while_loop(lambda c: (c[0] < cycles) & c[3], body, carry)
-        return state, packed_CRW
-
-    return _Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)),
-                        STEP_COMPILER_OPTIONS.get(platform, {}))
-
-
-def default_cycles_per_step(mesh: Mesh | None = None) -> int:
-    """Verify cycles per step where none are asked for: 4 on an accelerator, whose cycles
-    of a small model take about as long as the host's work for a step, and 1 on a CPU,
-    whose cycles take far longer (more would only make new requests wait)."""
-    return 1 if _platform(mesh) == "cpu" else 4
-
-
-def _platform(mesh: Mesh | None) -> str:
-    """The platform the Engine's programs run on: its mesh's, else the default backend's."""
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
-# XLA options of the step programs per platform. On a GPU, XLA runs a loop's iterations by
-# reading its condition back on the host, which holds the host in the step's launch for all
-# of its cycles; with the loop and its conditionals inside CUDA graphs (command buffers) the
-# device runs them alone and the launch returns at once.
-STEP_COMPILER_OPTIONS = {
-    "gpu": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
-}
-
-
-def clear_compiled_programs() -> None:
-    """Forget the step programs compiled for Engines (engines alive keep theirs), as
-    `jax.clear_caches()` does for jitted functions, which does not reach these: a process
-    that builds engines for many models otherwise keeps every executable it compiled."""
-    _executables.cache_clear()

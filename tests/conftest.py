@@ -47,7 +47,7 @@ def release_compiled_programs() -> None:
     """Forget every compiled program no live object holds (jitted functions' and Engines')."""
     import jax
 
-    from dflash_jax.engine import clear_compiled_programs
+    from dflash_jax.step_program import clear_compiled_programs
 
     jax.clear_caches()
     clear_compiled_programs()
