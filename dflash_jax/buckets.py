@@ -2,7 +2,7 @@
 
 A batch of r requests and t tokens (verify rows and prefill chunks) runs padded to one of a
 few static shapes. Rows round up to a power of two b <= max_num_reqs, and tokens take one of
-two sizes for that b:
+two sizes for that b (the Engine passes its sizes rounded up to powers of two):
 
 - `b * num_query`, when the batch fits it: every row verifying its 1 + N rows (the decode
   steps, nearly all steps of a long answer) runs with no padding past its rows bucket;

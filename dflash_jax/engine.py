@@ -116,11 +116,10 @@ class Engine:
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must lie in [1, {limit}] (the target's max positions), got {max_model_len}.")
         self.max_model_len = max_model_len or limit
-        for name, value in (("max_num_reqs", max_num_reqs), ("max_num_tokens", max_num_tokens)):
-            if value < 1 or value != next_pow2(value):
-                raise ValueError(f"{name} must be a power of two (batches are padded to those), got {value}.")
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
+        # Programs take power-of-two shapes at most these: a batch pads up to its program's.
+        self._padded_reqs, self._padded_tokens = next_pow2(max_num_reqs), next_pow2(max_num_tokens)
         if max_num_tokens < max_num_reqs * (1 + self.num_drafts):
             raise ValueError(
                 f"max_num_tokens={max_num_tokens} cannot hold {max_num_reqs} requests x "
@@ -177,7 +176,7 @@ class Engine:
             (jax.tree.structure(self._argument_shapes), *jax.tree.leaves(self._argument_shapes))))
         self._keys: dict[Program, tuple] = {}
         self.programs: tuple[Program, ...] = tuple(programs(
-            max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_query=1 + self.num_drafts))
+            max_num_reqs=self._padded_reqs, max_num_tokens=self._padded_tokens, num_query=1 + self.num_drafts))
         # While another thread precompiles (a server warming up): admit only as many requests
         # as compiled programs hold, and run each batch on the smallest compiled program that
         # holds it until its own is compiled, so no step waits for a compilation.
@@ -342,7 +341,7 @@ class Engine:
         compiled one that holds the batch (same tokens, more padding)."""
         greedy = all(w.request.params.temperature == 0 for w in work)
         num_rows, num_tokens = len(work), sum(w.rows for w in work)
-        program = program_for(num_rows, num_tokens, greedy, max_num_tokens=self.max_num_tokens,
+        program = program_for(num_rows, num_tokens, greedy, max_num_tokens=self._padded_tokens,
                               num_query=1 + self.num_drafts)
         if self.admit_within_compiled and not self.is_compiled(program):
             compiled = [p for p in self.programs if self.is_compiled(p) and holds(p, num_rows, num_tokens, greedy)]
@@ -353,8 +352,8 @@ class Engine:
         """The most requests that a compiled program holds whatever they run: the rows of the
         largest compiled sampling program at the token budget (at least 1, which then
         compiles on demand)."""
-        return max((p.rows for p in self.programs if not p.greedy and p.tokens == self.max_num_tokens
-                    and self.is_compiled(p)), default=1)
+        return min(max((p.rows for p in self.programs if not p.greedy and p.tokens == self._padded_tokens
+                        and self.is_compiled(p)), default=1), self.max_num_reqs)
 
     def _key(self, program: Program):
         """What identifies `program`'s executable among those of engines of these models."""

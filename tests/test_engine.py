@@ -233,10 +233,24 @@ def test_bad_requests_are_refused_and_harm_nobody(models, prompt, params, messag
     assert engine.output(good) == reference[0]
 
 
+def test_sizes_need_not_be_powers_of_two(models):
+    """3 requests at a time and a 20-token budget: programs pad to powers of two, the
+    scheduler keeps the sizes given."""
+    target, drafters, reference = models
+    engine = Engine(target, drafters["full"], max_num_reqs=3, max_num_tokens=20)
+    seen = []
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.num_running)
+    assert [engine.output(i) for i in ids] == reference
+    assert max(seen) == 3
+
+
 def test_bad_engine_settings_are_refused(models):
     target, drafters, _ = models
-    with pytest.raises(ValueError, match="max_num_tokens must be a power of two"):
-        Engine(target, drafters["full"], max_num_tokens=100)
+    with pytest.raises(ValueError, match="max_num_tokens must be at least 1"):
+        Engine(target, drafters["full"], max_num_tokens=0)
     with pytest.raises(ValueError, match=r"block_size must lie in \[2, 4\]"):
         Engine(target, drafters["full"], block_size=5)
     with pytest.raises(ValueError, match="cannot hold 8 requests x 4 verify rows"):

@@ -86,7 +86,8 @@ def test_target_without_tokenizer_exits_2(tiny_target, capsys, no_bind):
 
 def test_bad_engine_size_exits_2(tiny_target, tmp_path, capsys, no_bind):
     write_char_tokenizer(tiny_target)
-    assert "power of two" in refused(capsys, ["--target", str(tiny_target), "--max-num-reqs", "3"])
+    assert "cannot hold 4 requests" in refused(capsys, ["--target", str(tiny_target), "--max-num-reqs", "4",
+                                                       "--max-num-tokens", "3", "--no-drafter"])
 
 
 def test_taken_port_exits_2_before_compiling(tiny_target, capsys, monkeypatch):

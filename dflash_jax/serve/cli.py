@@ -69,8 +69,8 @@ def add_parser(subparsers) -> None:
                         help="address to listen on (0.0.0.0 or :: for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: the target's folder name)")
-    parser.add_argument("--max-num-reqs", type=int, default=8, help="requests decoded together (a power of two)")
-    parser.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step (a power of two)")
+    parser.add_argument("--max-num-reqs", type=int, default=8, help="requests decoded together")
+    parser.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + answer (default: the target's limit)")
     parser.add_argument("--cycles-per-step", type=int,
                         help="verify cycles one engine step runs while every request decodes; more spread the "
