@@ -47,6 +47,7 @@ def refused(capsys, argv) -> str:
     (["--target", "/x", "--block-size", "4"], "needs --drafter"),
     (["--max-queue", "0"], "--max-queue"),
     (["--cycles-per-step", "0"], "--cycles-per-step"),
+    (["--api-key", " "], "--api-key is empty"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, no_bind, argv, said):
     assert said in refused(capsys, argv)

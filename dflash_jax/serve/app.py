@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from typing import AsyncIterator
@@ -46,10 +47,12 @@ class _EngineFailed(Exception):
 
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: int,
-               max_request_bytes: int, shutdown_timeout_s: float = 30.0, warmup: Warmup | None = None) -> FastAPI:
+               max_request_bytes: int, shutdown_timeout_s: float = 30.0, warmup: Warmup | None = None,
+               api_key: str | None = None) -> FastAPI:
     """An app serving `loop`'s Engine under `model_name`; its lifespan starts and stops the
     loop, and `warmup` (the step programs compiled in the background) if given. Request
-    bodies larger than `max_request_bytes` are answered 413."""
+    bodies larger than `max_request_bytes` are answered 413. With `api_key`, the /v1 routes
+    answer 401 unless the request carries `Authorization: Bearer <api_key>`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -63,7 +66,9 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
         loop.stop(shutdown_timeout_s)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_CountResponses, metrics=loop.metrics)
+    if api_key is not None:
+        app.add_middleware(_RequireApiKey, api_key=api_key)
+    app.add_middleware(_CountResponses, metrics=loop.metrics)  # added last: outermost, counts the 401s too
     server = _Server(loop, tokenizer, model_name, max_model_len, max_request_bytes)
 
     @app.exception_handler(RequestError)
@@ -349,6 +354,26 @@ async def _disconnected(http: Request) -> None:
     """Returns when the client closes the connection (the body has been read already)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+class _RequireApiKey:
+    """401 for a /v1 route without the server's Bearer token; /health and /metrics stay open
+    (load balancers and scrapers carry no key). Compared in constant time."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                body = protocol.error_body("missing or wrong API key; send the header 'Authorization: Bearer <key>' "
+                                           "with the key the server was started with.",
+                                           type="invalid_request_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _CountResponses:

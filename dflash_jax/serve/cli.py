@@ -41,6 +41,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Of --shutdown-timeout, the share that requests in flight get to finish; the rest is for
 # their last events, uvicorn's shutdown and the background compilation's thread.
 DRAIN_SHARE = 0.8
+# The environment variable --api-key falls back to (a key on the command line shows in `ps`).
+API_KEY_VARIABLE = "DFLASH_JAX_API_KEY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,9 @@ def add_parser(subparsers) -> None:
                         help="seconds from SIGTERM to exit; requests in flight get most of them to finish")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted; larger ones get 413")
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' on the /v1 routes (401 otherwise; "
+                        f"/health and /metrics stay open); default: ${API_KEY_VARIABLE} if set, else no key")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     parser.add_argument("--warmup", choices=WARMUP_CHOICES, default="minimal",
                         help="step programs compiled before the port opens: minimal (one that runs any one request; "
                         "the rest compile in the background while /health says warming), all, or none (each "
@@ -116,8 +121,9 @@ def run(args: argparse.Namespace) -> None:
             engine.precompile(functools.partial(tqdm, desc="compiling", unit="program", leave=False), first)
             log.info("compiled %d step programs in %.1f s", len(first), time.perf_counter() - start)
         serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout,
-              max_request_bytes=args.max_request_bytes,
-              warmup_programs=later, compile_threads=args.compile_threads)
+              max_request_bytes=args.max_request_bytes, warmup_programs=later,
+              compile_threads=args.compile_threads, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+              access_log=args.access_log)
     finally:
         sock.close()
 
@@ -152,6 +158,9 @@ def _check_flags(args) -> None:
         raise ValueError("--block-size sets the verified draft block; it needs --drafter.")
     if args.cycles_per_step is not None and args.cycles_per_step < 1:
         raise ValueError(f"--cycles-per-step must be at least 1, got {args.cycles_per_step}.")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(f"--api-key is empty; give a key, or leave it out (and ${API_KEY_VARIABLE} unset) to serve "
+                         "without one.")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}.")
     if args.shutdown_timeout < 0:
@@ -244,12 +253,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue: int, shutdown_timeout_s: float,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, warmup_programs=(), compile_threads: int = 1):
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, warmup_programs=(), compile_threads: int = 1,
+          api_key: str | None = None, access_log: bool = False):
     """Run the HTTP server on `sock` until SIGTERM / SIGINT, compiling `warmup_programs` meanwhile."""
     progress = functools.partial(tqdm, desc="compiling in the background", unit="program", leave=False)
     server = make_server(engine, tokenizer, info, max_queue=max_queue, shutdown_timeout_s=shutdown_timeout_s,
                          max_request_bytes=max_request_bytes, warmup_programs=warmup_programs,
-                         warmup_progress=progress, compile_threads=compile_threads)
+                         warmup_progress=progress, compile_threads=compile_threads, api_key=api_key,
+                         access_log=access_log)
     host, port = sock.getsockname()[:2]
     later = f"; {len(warmup_programs)} more step programs compile in the background" if warmup_programs else ""
     log.info("ready: http://%s:%d/v1 serves %s%s", host, port, info.name, later)
@@ -258,7 +269,8 @@ def serve(engine, tokenizer, info: ModelInfo, sock: socket.socket, *, max_queue:
 
 def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_timeout_s: float,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, log_level: str = "info", warmup_programs=(),
-                warmup_progress=None, compile_threads: int = 1):
+                warmup_progress=None, compile_threads: int = 1, api_key: str | None = None,
+                access_log: bool = False):
     """A uvicorn.Server over a new app and EngineLoop for `engine` (tests run one in a thread),
     compiling `warmup_programs` in the background once it runs. Its `handle_exit` (what
     SIGTERM calls) drains the EngineLoop before uvicorn closes the port; setting `should_exit`
@@ -273,9 +285,9 @@ def make_server(engine, tokenizer, info: ModelInfo, *, max_queue: int, shutdown_
     warmup = Warmup(engine, warmup_programs, warmup_progress, compile_threads) if warmup_programs else None
     app = create_app(loop, tokenizer, model_name=info.name, max_model_len=info.max_model_len,
                      shutdown_timeout_s=min(shutdown_timeout_s * (1 - DRAIN_SHARE), 5.0), warmup=warmup,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, api_key=api_key)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s,
-                            access_log=False)
+                            access_log=access_log)
     return _uvicorn_server()(config, loop, shutdown_timeout_s * DRAIN_SHARE)
 
 
