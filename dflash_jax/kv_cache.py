@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,34 @@ def storage_dtype(dtype, kernels: Kernels) -> jnp.dtype:
 
 def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) -> int:
     return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def free_memory_bytes(mesh=None) -> int:
+    """Bytes free for caches on the devices the models use (every device of `mesh`, else the
+    default device), as the devices report them (limit less what is in use, after the models
+    were placed); on a CPU, the host's available memory."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if all(device.platform == "cpu" for device in devices):
+        return _host_available_bytes()
+    free = 0
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(f"{device} does not report its memory; size the KV cache by page count instead.")
+        free += stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return free
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (free memory plus what the kernel can reclaim), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def slots_of(page_table, positions, page_size: int, rows=None):

@@ -48,6 +48,8 @@ def refused(capsys, argv) -> str:
     (["--max-queue", "0"], "--max-queue"),
     (["--cycles-per-step", "0"], "--cycles-per-step"),
     (["--api-key", " "], "--api-key is empty"),
+    (["--num-pages", "64", "--kv-cache-memory-fraction", "0.5"], "give one"),
+    (["--kv-cache-memory-fraction", "1.5"], "(0, 1]"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, no_bind, argv, said):
     assert said in refused(capsys, argv)
@@ -89,6 +91,19 @@ def test_bad_engine_size_exits_2(tiny_target, tmp_path, capsys, no_bind):
     write_char_tokenizer(tiny_target)
     assert "cannot hold 4 requests" in refused(capsys, ["--target", str(tiny_target), "--max-num-reqs", "4",
                                                        "--max-num-tokens", "3", "--no-drafter"])
+
+
+def test_kv_cache_sized_by_pages_or_by_free_memory(tiny_target):
+    """--num-pages gives the cache that many pages; --kv-cache-memory-fraction a share of what
+    the device (here the host) has free, so a larger share holds more pages."""
+    write_char_tokenizer(tiny_target)
+    parser = cli.build_parser()
+    base = ["serve", "--target", str(tiny_target), "--no-drafter", "--max-model-len", "64"]
+    engine, _, _ = serve_cli.load_engine(parser.parse_args(base + ["--num-pages", "40"]))
+    assert engine.scheduler.allocator.num_pages == 40
+    pages = [serve_cli.load_engine(parser.parse_args(base + ["--kv-cache-memory-fraction", share]))[0]
+             .scheduler.allocator.num_pages for share in ("0.00001", "0.00002")]
+    assert 2 <= pages[0] < pages[1]
 
 
 def test_taken_port_exits_2_before_compiling(tiny_target, capsys, monkeypatch):

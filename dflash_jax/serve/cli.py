@@ -74,6 +74,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-num-reqs", type=int, default=8, help="requests decoded together")
     parser.add_argument("--max-num-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + answer (default: the target's limit)")
+    parser.add_argument("--num-pages", type=int,
+                        help="KV cache pages (of 16 tokens) shared by all requests (default: enough for every request "
+                        "at --max-model-len)")
+    parser.add_argument("--kv-cache-memory-fraction", type=float,
+                        help="size the KV cache to this share (0-1] of the device memory free once the models are "
+                        "loaded (the host's available memory on a CPU), instead of --num-pages")
     parser.add_argument("--cycles-per-step", type=int,
                         help="verify cycles one engine step runs while every request decodes; more spread the "
                         "host's work per step, fewer admit new requests sooner (default: 4 on a GPU, 1 on a CPU)")
@@ -156,6 +162,10 @@ def _check_flags(args) -> None:
         raise ValueError("--block-size sets the verified draft block; it needs a drafter, drop --no-drafter.")
     if args.drafter is None and args.target is not None and args.block_size is not None:
         raise ValueError("--block-size sets the verified draft block; it needs --drafter.")
+    if args.num_pages is not None and args.kv_cache_memory_fraction is not None:
+        raise ValueError("--num-pages and --kv-cache-memory-fraction both size the KV cache; give one.")
+    if args.kv_cache_memory_fraction is not None and not 0 < args.kv_cache_memory_fraction <= 1:
+        raise ValueError(f"--kv-cache-memory-fraction must lie in (0, 1], got {args.kv_cache_memory_fraction}.")
     if args.cycles_per_step is not None and args.cycles_per_step < 1:
         raise ValueError(f"--cycles-per-step must be at least 1, got {args.cycles_per_step}.")
     if args.api_key is not None and not args.api_key.strip():
@@ -219,9 +229,14 @@ def load_models(args) -> ServedModels:
 def load_engine(args):
     """(Engine, tokenizer, ModelInfo) from the flags; ValueError for anything unusable."""
     import dflash_jax
+    from dflash_jax.kv_cache import free_memory_bytes
 
     models = load_models(args)
+    memory = None
+    if args.kv_cache_memory_fraction is not None:
+        memory = int(args.kv_cache_memory_fraction * free_memory_bytes(models.target.mesh))
     engine = dflash_jax.Engine(models.target, models.drafter, max_num_reqs=args.max_num_reqs,
+                               num_pages=args.num_pages, kv_cache_memory_bytes=memory,
                                max_num_tokens=args.max_num_tokens,
                                block_size=models.info.block_size if models.drafter is not None else None,
                                max_model_len=args.max_model_len, draft_sampling=args.draft_sampling,
