@@ -39,8 +39,8 @@ from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.requests import (
-    RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids,
-    resolve_block_size, resolve_draft_block_size, stop_id_array,
+    DraftCounts, RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request,
+    check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
@@ -189,6 +189,8 @@ class Engine:
         # program, filling its inputs, dispatching): for benchmarks that split a step into
         # host and device time.
         self.last_launch_s: float | None = None
+        # Drafts checked and accepted since construction (read by a server's metrics).
+        self.draft_counts = DraftCounts(accepted_per_position=[0] * self.num_drafts)
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -244,6 +246,12 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the target's KV cache pages held by requests, 0 to 1."""
+        allocator = self.scheduler.allocator
+        return 1 - allocator.num_free / (allocator.num_pages - 1)
 
     @property
     def vocab_size(self) -> int:
@@ -403,6 +411,9 @@ class Engine:
         if not w.samples:
             return None
         new = tokens_Q[:count].tolist()
+        if w.verifying and count:  # it checked the drafts its tokens left room for (`drafts_to_verify`)
+            checked = min(max(request.params.max_new_tokens - request.num_generated - 1, 0), self.num_drafts)
+            self.draft_counts.add(checked, min(count - 1, checked))
         request.tokens += new
         stats = request.stats
         stats.num_generated = request.num_generated

@@ -64,6 +64,27 @@ class RequestStats:
         return float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0
 
 
+@dataclasses.dataclass
+class DraftCounts:
+    """An Engine's speculative-decoding totals, counted as vLLM's `spec_decode_*` metrics are:
+    verify cycles that checked drafts, the drafts they checked, the drafts accepted and
+    committed, and those per block position (0: the first draft after the anchor)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, num_checked: int, num_accepted: int) -> None:
+        if num_checked == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_checked
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool (True would pass as 1) and not a float like 3.0."""
     return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -80,6 +80,10 @@ def test_engine_equals_autoregressive(models, drafter_name, block_size, async_sc
     assert [engine.output(i) for i in ids] == reference
     if drafter is not None:
         assert all(sum(engine.stats(i).accepted_lengths) == 19 for i in ids)
+        counts = engine.draft_counts  # each cycle commits its accepted drafts and one token of the target's
+        assert counts.num_accepted_tokens == sum(19 - len(engine.stats(i).accepted_lengths) for i in ids)
+        assert sum(counts.accepted_per_position) == counts.num_accepted_tokens
+        assert counts.num_draft_tokens <= (block_size - 1) * counts.num_drafts
 
 
 @pytest.mark.slow

@@ -439,6 +439,17 @@ def test_metrics_parse_and_move(served, client):
     assert moved("dflash_time_to_first_token_seconds_count") == 1
     assert moved("dflash_engine_step_seconds_count") >= 1
     assert ("dflash_queue_depth", ()) in after and ("dflash_preemptions_total", ()) in after
+    # vLLM's speculative-decoding counters: one count per cycle that checked drafts (block 4: 3
+    # drafts at most), its accepted drafts (tokens committed less one), by block position.
+    drafts = moved("dflash_spec_decode_num_drafts_total")
+    accepted = moved("dflash_spec_decode_num_accepted_tokens_total")
+    assert 1 <= drafts <= moved("dflash_accepted_length_count")
+    assert drafts <= moved("dflash_spec_decode_num_draft_tokens_total") <= 3 * drafts
+    assert accepted == moved("dflash_accepted_length_sum") - moved("dflash_accepted_length_count")
+    per_position = [moved("dflash_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))
+                    for p in range(3)]
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+    assert 0 <= after[("dflash_kv_cache_usage_perc", ())] <= 1
 
 
 def test_zlab_dflash_generate_openai_runs_unchanged(served, capsys):

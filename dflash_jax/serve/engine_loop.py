@@ -243,6 +243,7 @@ class EngineLoop:
             return
         now = time.perf_counter()
         self.metrics.step_time.observe(now - start)
+        self.metrics.count_drafts(self.engine.draft_counts)  # before the answers go out
         for out in outputs:
             request = self._open.get(out.request_id)
             if request is None:
@@ -281,6 +282,7 @@ class EngineLoop:
                 self.idle.set()
 
     def _update_gauges(self) -> None:
+        self.metrics.kv_cache_usage.set(self.engine.kv_cache_usage)
         self.metrics.open_requests.set(len(self._open))
         self.metrics.queue_depth.set(sum(r.last_output_s is None for r in self._open.values()))
 

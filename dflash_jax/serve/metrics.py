@@ -3,7 +3,11 @@ as in tests, would otherwise collide in the global one)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dflash_jax.requests import DraftCounts
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -36,6 +40,30 @@ class ServerMetrics:
                                  "(waiting for a slot or in prefill)", registry=registry)
         self.open_requests = Gauge("dflash_requests_open", "Requests in the engine, not yet finished",
                                    registry=registry)
+        # vLLM's speculative-decoding and cache names (vllm:spec_decode_*, vllm:kv_cache_usage_perc).
+        self.spec_drafts = Counter("dflash_spec_decode_num_drafts", "Verify cycles that checked drafts",
+                                   registry=registry)
+        self.spec_draft_tokens = Counter("dflash_spec_decode_num_draft_tokens", "Drafts checked", registry=registry)
+        self.spec_accepted_tokens = Counter("dflash_spec_decode_num_accepted_tokens", "Drafts accepted and committed",
+                                            registry=registry)
+        self.spec_accepted_per_pos = Counter(
+            "dflash_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted and committed, by position in the block (0: the first after the anchor)", ["position"],
+            registry=registry)
+        self.kv_cache_usage = Gauge("dflash_kv_cache_usage_perc", "Share of the KV cache pages held by requests (0-1)",
+                                    registry=registry)
+        self._drafts_seen = DraftCounts()
+
+    def count_drafts(self, counts: DraftCounts) -> None:
+        """Bring the spec_decode counters up to an Engine's totals `counts`."""
+        seen = self._drafts_seen
+        self.spec_drafts.inc(counts.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(counts.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(counts.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, total in enumerate(counts.accepted_per_position):
+            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
+            self.spec_accepted_per_pos.labels(position=str(position)).inc(total - before)
+        self._drafts_seen = dataclasses.replace(counts, accepted_per_position=list(counts.accepted_per_position))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
