@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.cache_dir = (args.cache_dir or Path(os.environ.get("DFLASH_JAX_CACHE") or DEFAULT_CACHE_DIR)).expanduser()
         if not args.no_compile_cache:
             enable_compile_cache(args.cache_dir / "xla")
+    if hasattr(args, "api_key") and args.api_key is None:
+        args.api_key = os.environ.get(serve_cli.API_KEY_VARIABLE) or None
     return args
 
 

@@ -93,6 +93,14 @@ def test_bad_engine_size_exits_2(tiny_target, tmp_path, capsys, no_bind):
                                                        "--max-num-tokens", "3", "--no-drafter"])
 
 
+def test_api_key_falls_back_to_the_environment(monkeypatch):
+    monkeypatch.setenv(serve_cli.API_KEY_VARIABLE, "sk-env")
+    assert cli.parse_args(["serve", "--no-compile-cache"]).api_key == "sk-env"
+    assert cli.parse_args(["serve", "--no-compile-cache", "--api-key", "sk-flag"]).api_key == "sk-flag"
+    monkeypatch.setenv(serve_cli.API_KEY_VARIABLE, "")
+    assert cli.parse_args(["serve", "--no-compile-cache"]).api_key is None
+
+
 def test_kv_cache_sized_by_pages_or_by_free_memory(tiny_target):
     """--num-pages gives the cache that many pages; --kv-cache-memory-fraction a share of what
     the device (here the host) has free, so a larger share holds more pages."""

@@ -41,7 +41,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Of --shutdown-timeout, the share that requests in flight get to finish; the rest is for
 # their last events, uvicorn's shutdown and the background compilation's thread.
 DRAIN_SHARE = 0.8
-# The environment variable --api-key falls back to (a key on the command line shows in `ps`).
+# The environment variable --api-key falls back to, read by `dflash_jax.cli` (a key on the
+# command line shows in `ps`).
 API_KEY_VARIABLE = "DFLASH_JAX_API_KEY"
 
 
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
             log.info("compiled %d step programs in %.1f s", len(first), time.perf_counter() - start)
         serve(engine, tokenizer, info, sock, max_queue=args.max_queue, shutdown_timeout_s=args.shutdown_timeout,
               max_request_bytes=args.max_request_bytes, warmup_programs=later,
-              compile_threads=args.compile_threads, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+              compile_threads=args.compile_threads, api_key=args.api_key,
               access_log=args.access_log)
     finally:
         sock.close()
