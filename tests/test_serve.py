@@ -221,6 +221,22 @@ def test_stop_strings_and_stop_token_ids(served, client):
     assert by_id.usage.completion_tokens == cut + 1 and by_id.choices[0].finish_reason == "stop"
 
 
+def test_ignore_eos_runs_past_the_end_tokens(served, client, monkeypatch):
+    """With the tokenizer's end token set to one the answer holds, the answer stops there;
+    `ignore_eos` runs on to max_tokens (a request's own stop_token_ids still stop it)."""
+    tokenizer = served[1]
+    want = reference(served, [tokenizer.encode_text(PROMPTS[1])], 30)[0]
+    monkeypatch.setattr(tokenizer, "stop_token_ids", [want[4]])
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0)
+    ended = client.completions.create(**kwargs)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == want.index(want[4]) + 1
+    ignoring = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert ignoring.choices[0].text == text_of(tokenizer, want) and ignoring.choices[0].finish_reason == "length"
+    assert ignoring.usage.completion_tokens == 30
+    stopped = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "stop_token_ids": [want[7]]})
+    assert stopped.usage.completion_tokens == want.index(want[7]) + 1
+
+
 def test_seeded_sampling_repeats(served, client):
     kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
     first = client.completions.create(**kwargs).choices[0].text

@@ -219,7 +219,8 @@ class _Server:
             requested_stops = check_stop_token_ids(request.stop_token_ids, self.loop.engine.vocab_size)
         except ValueError as err:
             raise RequestError(str(err), param="stop_token_ids") from None
-        stop_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(requested_stops)))
+        ends = () if request.ignore_eos else self.tokenizer.stop_token_ids
+        stop_ids = tuple(sorted(set(ends) | set(requested_stops)))
         return SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
                               top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids)
 

@@ -31,7 +31,7 @@ UNSUPPORTED_FIELDS = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
-    "ignore_eos": (None, False), "min_tokens": (None, 0),
+    "min_tokens": (None, 0),
 }
 
 
@@ -65,6 +65,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's: the tokenizer's end tokens do not stop the answer (stop_token_ids still do)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
