@@ -90,9 +90,10 @@ class Executables:
 def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> Executables:
     """The step of engines with these models' structures, cycle configuration and most
     cycles per step on `platform`, made once per (treedefs, cfg, max_cycles, platform):
-    engines of one model share its compiled programs. Each program is compiled ahead of time from argument shapes
-    (`Engine.precompile` may run on another thread than the steps). Parameters travel as flat
-    lists of arrays (`flat_models`): no graph hashing or pytree flattening per step."""
+    engines of one model share its compiled programs. Each program is compiled ahead of time
+    from argument shapes (`Engine.precompile` may run on another thread than the steps).
+    Parameters travel as flat lists of arrays (`flat_models`): no graph hashing or pytree
+    flattening per step."""
 
     def step(param_leaves, state, buffer, layout, greedy):
         _traces[0] += 1
