@@ -56,9 +56,8 @@ MAX_STOP_IDS = 16
 class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
-    work: list[Work]
-    packed: jax.Array  # int32 [cycles, R, Q + 2]: each cycle's `Committed` packed (tokens, count, stopped) for one transfer
-    cycles: int  # cycles the step runs: the first of packed's C rows
+    work: list[Work]  # every share runs the step's cycles (`Work.cycles`)
+    packed: jax.Array  # int32 [max cycles, R, Q + 2]: each cycle's `Committed` packed for one transfer
 
 
 class Engine:
@@ -342,7 +341,7 @@ class Engine:
         packed.copy_to_host_async()
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
-        return _Launched(work, packed, work[0].cycles)
+        return _Launched(work, packed)
 
     def _program_for(self, work: list[Work]) -> Program:
         """The batch's own program; while warming up, if that is not compiled yet, the smallest
@@ -386,7 +385,7 @@ class Engine:
         launch (or in an earlier cycle of it) are dropped."""
         packed = jax.device_get(launched.packed)
         outputs: dict[int, RequestOutput] = {}
-        for cycle in packed[: launched.cycles]:
+        for cycle in packed[: launched.work[0].cycles]:
             tokens_RQ, count_R, stopped_R = cycle[:, :-2], cycle[:, -2], cycle[:, -1]
             for r, w in enumerate(launched.work):
                 if not self.scheduler.is_current(w):
