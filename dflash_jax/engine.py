@@ -38,6 +38,7 @@ from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
+from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.requests import (
     DraftCounts, RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request,
     check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
@@ -81,6 +82,7 @@ class Engine:
         draft_sampling: str = DEFAULT_DRAFT_SAMPLING,
         mesh: Mesh | None = None,
         cycles_per_step: int | None = None,
+        prefix_caching: bool = True,
     ):
         """`draft_sampling`: how sampled requests propose drafts, "sample" or "argmax" (see
         `generate`); one choice per engine, part of its compiled programs. `mesh`: serve
@@ -88,7 +90,10 @@ class Engine:
         models loaded with it are used as they are, others placed on it. `cycles_per_step`:
         verify cycles a step runs at most when every request decodes (None: the platform's
         `default_cycles_per_step`); more cycles spread the host's work, fewer admit new
-        requests sooner."""
+        requests sooner. `prefix_caching`: a request starts from the cached KV pages (the
+        target's and the drafter's) of the longest prefix of its tokens that an earlier
+        request computed (`prefix_cache`); the drafter's windowed layers then keep whole
+        contexts, as its other layers do."""
         target, drafter = on_one_mesh((target, drafter), mesh)
         self.cycles_per_step = (default_cycles_per_step(target.mesh) if cycles_per_step is None
                                 else check_count("cycles_per_step", cycles_per_step))
@@ -129,10 +134,15 @@ class Engine:
         # Room for every position a request can touch: its tokens, a verify block and the
         # draft query rows after it.
         self.pages_per_req = -(-(self.max_model_len + lookahead) // page_size)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
+        self.prefix_caching = prefix_caching
         self._groups = DraftCacheGroups.for_drafter(drafter.cfg) if drafter else None
+        # Windowed drafter groups have pages of their own, given back as the window passes,
+        # unless their context is cached with the target's pages.
+        windows = self._groups.windows[1:] if self._groups and not prefix_caching else ()
         if num_pages is None:
-            num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes)
-        windows = self._groups.windows[1:] if self._groups else ()
+            num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes, len(windows))
         # Windowed groups hold at most a window plus two steps (the one in flight and the
         # next) per request: a fixed pool.
         step_span = max(max_num_tokens, 2 * self.cycles_per_step * (1 + self.num_drafts))
@@ -142,7 +152,8 @@ class Engine:
         ]
         self.scheduler = Scheduler(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_drafts=self.num_drafts,
-            lookahead=lookahead, page_size=page_size, allocator=PageAllocator(num_pages),
+            lookahead=lookahead, page_size=page_size,
+            allocator=PrefixCache(num_pages) if prefix_caching else PageAllocator(num_pages),
             window_allocators=window_allocators, windows=windows, cycles_per_step=self.cycles_per_step,
         )
         self._target, self._drafter = target, drafter
@@ -160,7 +171,8 @@ class Engine:
         self._executables = executables(treedefs, cfg, self.cycles_per_step, platform_of(target.mesh))
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
-            draft_pages=(num_pages, *(a.num_pages for a in window_allocators)),
+            draft_pages=(num_pages, *(a.num_pages for a in window_allocators)) if windows
+            else (num_pages,) * len(self._groups.layers if self._groups else ()),
         )
         # On a mesh the step's small inputs and the state's per-slot arrays live whole on every
         # device (the caches are split by kv head): compiled programs take fixed placements.
@@ -251,6 +263,12 @@ class Engine:
         """The share of the target's KV cache pages held by requests, 0 to 1."""
         allocator = self.scheduler.allocator
         return 1 - allocator.num_free / (allocator.num_pages - 1)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Prompt tokens looked up in the prefix cache and found there (None: caching is off)."""
+        cache = self.scheduler.prefix_cache
+        return None if cache is None else cache.stats
 
     @property
     def vocab_size(self) -> int:
@@ -406,14 +424,15 @@ class Engine:
     def _commit_one(self, w: Work, tokens_Q, count: int, stopped: bool) -> RequestOutput | None:
         """Apply one request's share of a committed step; its output, if it got tokens."""
         request = w.request
+        new = tokens_Q[:count].tolist() if w.samples else []
+        request.tokens += new  # before the scheduler's books: the pages it publishes hold these
         self.scheduler.committed(w, count if w.verifying else 0)
         if not w.samples:
             return None
-        new = tokens_Q[:count].tolist()
         if w.verifying and count:  # it checked the drafts its tokens left room for (`drafts_to_verify`)
-            checked = min(max(request.params.max_new_tokens - request.num_generated - 1, 0), self.num_drafts)
+            remaining = request.params.max_new_tokens - (request.num_generated - count)
+            checked = min(max(remaining - 1, 0), self.num_drafts)
             self.draft_counts.add(checked, min(count - 1, checked))
-        request.tokens += new
         stats = request.stats
         stats.num_generated = request.num_generated
         stats.first_token_s = stats.first_token_s or time.perf_counter()
@@ -426,12 +445,13 @@ class Engine:
 
     # ---- device state -------------------------------------------------------------------
 
-    def _pages_for_budget(self, target, drafter, budget: int | None) -> int:
+    def _pages_for_budget(self, target, drafter, budget: int | None, num_windowed_groups: int) -> int:
         if budget is None:
             return 1 + self.max_num_reqs * self.pages_per_req
         layers = [(target, target.cfg.num_layers)]
-        if drafter is not None:
-            layers.append((drafter, len(self._groups.layers[0])))  # windowed groups have their own pool
+        if drafter is not None:  # windowed groups with pages of their own have their own pool
+            in_pool = self._groups.layers[: len(self._groups.layers) - num_windowed_groups]
+            layers.append((drafter, sum(map(len, in_pool))))
         per_page = sum(
             kv_cache_bytes(num_layers=n, num_pages=1, page_size=self.page_size,
                            num_kv_heads=m.cfg.num_kv_heads, head_dim=m.cfg.head_dim, dtype=m.dtype)

@@ -49,6 +49,7 @@ class RequestStats:
     accepted_lengths: list[int] = dataclasses.field(default_factory=list)
     num_generated: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -1,5 +1,5 @@
 """Host-side scheduling for the Engine: waiting and running requests, request slots, KV pages,
-preemption and window eviction. No model and no device here: it decides what the next step
+preemption, window eviction and prefix-cache hits. No model and no device here: it decides what the next step
 runs and keeps each request's bookkeeping, and the Engine turns that into a device step.
 
 Each step runs the running requests first (1 + N verify rows each), then admits waiting ones
@@ -8,7 +8,9 @@ request decodes may run several verify cycles on the device (`cycles_per_step`):
 work per step is then spread over that many cycles. Pages are reserved for
 everything a step may write; when they run out, the most recently admitted request that is
 not in this step is preempted: its pages and slot are freed, and it is recomputed later from
-its prompt and the tokens it already has. A request's step in flight may be uncommitted (the
+its prompt and the tokens it already has. With a `PrefixCache` as the allocator, a request
+admitted starts from the longest run of cached full pages of its tokens, and publishes each
+page it fills. A request's step in flight may be uncommitted (the
 Engine launches step k + 1 before it reads step k): its verify rows' count is known then, not
 how many of them were accepted, so pages are reserved for all of them, in every cycle.
 """
@@ -21,6 +23,7 @@ import time
 from collections import deque
 
 from dflash_jax.kv_cache import NULL_PAGE, OutOfPages, PageAllocator
+from dflash_jax.prefix_cache import PrefixCache, extend_page_keys
 from dflash_jax.requests import RequestStats, SamplingParams
 
 
@@ -50,6 +53,10 @@ class Request:
     # token and position (and drafts) the device holds, for the verify step in flight too.
     decoding: bool = False
     in_flight: Work | None = None  # this request's share of the launched, uncommitted step
+    # Prefix caching: the hash chain of the full pages known so far, and how many of its
+    # pages are published (or were found cached).
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_published: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -95,6 +102,7 @@ class Scheduler:
         self.lookahead = lookahead  # positions past a step's rows that it writes (the drafter's block)
         self.page_size = page_size
         self.allocator = allocator
+        self.prefix_cache = allocator if isinstance(allocator, PrefixCache) else None
         self.window_allocators = window_allocators  # one per windowed drafter cache group
         self.windows = windows  # their windows
         self.max_running = max_num_reqs  # requests admitted at most (the Engine lowers it while warming up)
@@ -118,6 +126,8 @@ class Scheduler:
             request = self.waiting.popleft()
             request.status, request.slot = Status.RUNNING, self._free_slots.pop()
             self.running.append(request)
+            if self.prefix_cache is not None:
+                self._start_from_cached_pages(request)
         budget = self.max_num_tokens
         work: list[Work] = []
         ending: list[Request] = []  # finished by the step in flight: their pages free at its commit
@@ -181,6 +191,7 @@ class Scheduler:
             if not w.verifying:
                 w.request.num_computed += w.rows
                 w.request.decoding = w.ends_prefill
+                self._publish(w.request)
 
     def is_current(self, w: Work) -> bool:
         """Whether a launched share still counts: its request was neither finished nor
@@ -193,6 +204,7 @@ class Scheduler:
         if request.in_flight is w:
             request.in_flight = None
         request.num_computed += num_verified
+        self._publish(request)
         if self.window_allocators:
             self._evict_out_of_window(request)
 
@@ -209,6 +221,30 @@ class Scheduler:
         request.slot, request.in_flight = -1, None
         request.status = Status.FINISHED
         request.stats.finish_s = time.perf_counter()
+
+    def _start_from_cached_pages(self, request: Request) -> None:
+        """Give a request just admitted the cached pages of its longest cached prefix: those
+        positions count as computed. At least its last prefill position is left to compute,
+        since the step that computes it gives the request its next token (or anchor)."""
+        num_pages = (request.prefill_end - 1) // self.page_size
+        keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, num_pages)
+        request.pages = self.prefix_cache.match(keys[:num_pages])
+        request.num_published = len(request.pages)
+        request.num_computed = request.num_published * self.page_size
+        if not request.stats.num_preemptions:  # reported as at the first admission
+            request.stats.num_cached_tokens = request.num_computed
+        self.prefix_cache.stats.queries += request.prefill_end
+        self.prefix_cache.stats.hits += request.num_computed
+
+    def _publish(self, request: Request) -> None:
+        """Publish the request's full pages that are computed now (by a launched step)."""
+        if self.prefix_cache is None:
+            return
+        num_pages = request.num_computed // self.page_size
+        keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, num_pages)
+        for index in range(request.num_published, num_pages):
+            self.prefix_cache.publish(request.pages[index], keys[index])
+        request.num_published = max(request.num_published, num_pages)
 
     def _reserve(self, request: Request, num_positions: int, protected: list[Request]) -> bool:
         """Pages for positions < num_positions, preempting the newest unscheduled others.
@@ -253,7 +289,7 @@ class Scheduler:
         self.allocator.free(request.pages)
         for table, allocator in zip(request.window_pages, self.window_allocators):
             allocator.free([page for page in table if page != NULL_PAGE])
-        request.pages, request.window_pages = [], []
+        request.pages, request.window_pages, request.num_published = [], [], 0
 
     def _preempt(self, request: Request) -> None:
         self._free_pages(request)

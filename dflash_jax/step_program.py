@@ -99,6 +99,8 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
         batch, last_pos_R, cycles = unpack(buffer, layout)
+        tables = batch.draft_page_tables  # drafter groups without pages of their own share the target's
+        batch = dataclasses.replace(batch, draft_page_tables=tables + tables[:1] * (len(state.draft_caches) - len(tables)))
         cycle_cfg = dataclasses.replace(cfg, greedy=greedy)
         samples_R = batch.remaining_R > 0
         mesh = models[0].mesh

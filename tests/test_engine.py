@@ -269,7 +269,7 @@ def test_sliding_window_pages_are_evicted_without_changing_drafts(models):
     the accepted lengths) stay those of generate(), which keeps every page."""
     target, drafters, reference = models
     drafter = drafters["sliding"]
-    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4)
+    engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, prefix_caching=False)
     (window_pool,) = engine.scheduler.window_allocators
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:4]]
     most_in_use = 0

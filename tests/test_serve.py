@@ -468,6 +468,27 @@ def test_metrics_parse_and_move(served, client):
     assert 0 <= after[("dflash_kv_cache_usage_perc", ())] <= 1
 
 
+def test_a_repeated_prefix_is_served_from_the_cache(served, client):
+    """A long prompt sent twice: the second answer reports its cached prompt tokens (whole
+    pages of 16, at least the last token computed) and equals the first, acceptance included;
+    the prefix-cache counters move by as much."""
+    system = {"role": "system", "content": "You answer in one line. " * 6}
+    messages = [system, {"role": "user", "content": "Count to five."}]
+    before = metric_values(served[0])
+    answers = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                              extra_body={"return_meta_info": True}) for _ in range(2)]
+    after = metric_values(served[0])
+    moved = lambda name: after.get((name, ()), 0) - before.get((name, ()), 0)
+    prompt_tokens = answers[0].usage.prompt_tokens
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert cached[0] == 0 and cached[1] == (prompt_tokens - 1) // 16 * 16 > 100
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    meta = [a.model_extra["meta_info"] for a in answers]
+    assert meta[1]["spec_accept_length"] == meta[0]["spec_accept_length"]
+    assert moved("dflash_prefix_cache_queries_total") == 2 * prompt_tokens
+    assert moved("dflash_prefix_cache_hits_total") == cached[1]
+
+
 def test_zlab_dflash_generate_openai_runs_unchanged(served, capsys):
     """z-lab's `dflash generate openai` (dflash 0.1.0) prints the answer; its benchmark's reader
     finds usage and SGLang's meta_info."""

@@ -102,13 +102,15 @@ def test_api_key_falls_back_to_the_environment(monkeypatch):
 
 
 def test_kv_cache_sized_by_pages_or_by_free_memory(tiny_target):
-    """--num-pages gives the cache that many pages; --kv-cache-memory-fraction a share of what
+    """--no-prefix-caching reaches the engine; --num-pages gives the cache that many pages; --kv-cache-memory-fraction a share of what
     the device (here the host) has free, so a larger share holds more pages."""
     write_char_tokenizer(tiny_target)
     parser = cli.build_parser()
     base = ["serve", "--target", str(tiny_target), "--no-drafter", "--max-model-len", "64"]
     engine, _, _ = serve_cli.load_engine(parser.parse_args(base + ["--num-pages", "40"]))
-    assert engine.scheduler.allocator.num_pages == 40
+    assert engine.scheduler.allocator.num_pages == 40 and engine.prefix_caching
+    uncached, _, _ = serve_cli.load_engine(parser.parse_args(base + ["--num-pages", "40", "--no-prefix-caching"]))
+    assert not uncached.prefix_caching and uncached.prefix_cache_stats is None
     pages = [serve_cli.load_engine(parser.parse_args(base + ["--kv-cache-memory-fraction", share]))[0]
              .scheduler.allocator.num_pages for share in ("0.00001", "0.00002")]
     assert 2 <= pages[0] < pages[1]

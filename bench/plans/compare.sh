@@ -28,6 +28,9 @@
 #                 DFlash and --no-drafter, with the Engine-alone baseline (needs .whl/ with the
 #                 server's wheels: fastapi, uvicorn and theirs; SERVE_LEVELS=1,4,16,64
 #                 SERVE_REQS=64 for issue 20's last level);
+#   shared-prefix this tree only, the demo pair: bench.serving.shared_prefix, multi-turn chats
+#                 behind a ~2k-token system prompt with prefix caching on and off (PREFIX_LEVELS,
+#                 default 1,4,16; PREFIX_ARGS: more server flags; the same .whl/ as serve);
 #   startup       this tree only: bench.serving.startup;
 #   versus        this tree only, the demo pair from the carried GGUF: bench.serving.versus_generate,
 #                 the server against `generate` on the same prompts (VERSUS_ARGS: its server
@@ -141,6 +144,14 @@ for step in "$@"; do
             --commit "$commit" --out "$out/versus.json" --server-args "--cache-dir /tmp/carry/cache ${VERSUS_ARGS:-}" \
             > "$out/versus.log" 2>&1
         echo "   rc=$?"; grep -E "^(dflash|autoregressive) " "$out/versus.log" ;;
+    shared-prefix)
+        smollm2_target
+        serve_site
+        echo "== shared-prefix"
+        PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout ${PREFIX_LIMIT:-560} python3 -m bench.serving.shared_prefix \
+            --commit "$commit" --out "$out/shared-prefix.json" --concurrency ${PREFIX_LEVELS:-1,4,16} \
+            --server-args "--cache-dir /tmp/carry/cache ${PREFIX_ARGS:-}" > "$out/shared-prefix.log" 2>&1
+        echo "   rc=$?"; grep -E "caching (on|off) " "$out/shared-prefix.log" ;;
     startup)
         smollm2_target
         echo "== startup"

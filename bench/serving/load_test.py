@@ -69,8 +69,7 @@ def main(argv=None) -> None:
                 asyncio.run(run_level(server.url, prompts, c, args.rounds, args.max_tokens, args.level_timeout))
                 for c in levels]}
         for level in results["modes"][mode]["levels"]:
-            print(f"{mode:15s} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in level.items()), flush=True)
+            print(level_line(mode, level, 15), flush=True)
     if args.engine_baseline:
         worker = subprocess.run([sys.executable, "-m", __spec__.name, "--engine-worker", "--out", str(args.out),
                                  "--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens), "--server-args",
@@ -89,10 +88,10 @@ async def run_level(url: str, prompts: list[str], concurrency: int, rounds: int,
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
         warm = [prompts[i % len(prompts)] for i in range(concurrency)]
-        await asyncio.gather(*(one_request(http, p, min(max_tokens, 16)) for p in warm))
+        await asyncio.gather(*(one_request(http, chat(p), min(max_tokens, 16)) for p in warm))
 
         async def client(c: int) -> list[dict]:
-            return [await one_request(http, prompts[(c * rounds + r) % len(prompts)], max_tokens)
+            return [await one_request(http, chat(prompts[(c * rounds + r) % len(prompts)]), max_tokens)
                     for r in range(rounds)]
 
         start = time.perf_counter()
@@ -101,25 +100,40 @@ async def run_level(url: str, prompts: list[str], concurrency: int, rounds: int,
         except asyncio.TimeoutError:
             raise SystemExit(f"concurrency {concurrency} took over {timeout:.0f} s; lower --rounds or --max-tokens")
         wall = time.perf_counter() - start
-    done = [r for rs in per_client for r in rs]
+    return {"concurrency": concurrency, **summary([r for rs in per_client for r in rs], wall)}
+
+
+def summary(done: list[dict], wall: float) -> dict:
+    """Requests' throughput, TTFT and inter-token percentiles and mean accepted length."""
     tokens = sum(r["tokens"] for r in done)
     cycles = sum(r["cycles"] for r in done)
     ttft = [r["ttft_s"] for r in done]
     itl = [r["itl_s"] for r in done if r["itl_s"] is not None]
     return {
-        "concurrency": concurrency, "requests": len(done), "output_tokens": tokens, "wall_s": wall,
-        "output_tokens_per_s": tokens / wall,
+        "requests": len(done), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
         "mean_accepted_length": sum(r["accepted"] for r in done) / cycles if cycles else 0.0,
     }
 
 
-async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+def level_line(name: str, level: dict, width: int) -> str:
+    """One printed line of a level's results."""
+    return f"{name:{width}s} " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in level.items())
+
+
+def chat(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+async def one_request(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> dict:
+    """One greedy streamed chat request: its tokens, TTFT, inter-token latency, verify cycles
+    and accepted tokens, cached prompt tokens and text."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "return_meta_info": True}
     sent = time.perf_counter()
     first = last = None
-    usage, meta = {}, {}
+    usage, meta, text = {}, {}, []
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise SystemExit(f"the server answered {response.status_code}: {(await response.aread())[:300]!r}")
@@ -134,11 +148,14 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 last = time.perf_counter()
                 first = first or last
+                text.append(chunk["choices"][0]["delta"]["content"])
     tokens = usage.get("completion_tokens", 0)
     cycles = meta.get("spec_verify_ct", 0)
     return {"tokens": tokens, "ttft_s": (first or time.perf_counter()) - sent, "cycles": cycles,
             "accepted": meta.get("spec_accept_length", 0.0) * cycles,
-            "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+            "itl_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "prompt_tokens": usage.get("prompt_tokens", 0), "text": "".join(text)}
 
 
 def engine_alone(prompts: list[str], rounds: int, max_tokens: int, server_args: list[str]) -> dict:

@@ -292,7 +292,7 @@ class _Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _extras(self, finished: Finished) -> dict:
-        extras = {"usage": protocol.usage(self.num_prompt_tokens, finished.num_generated)}
+        extras = {"usage": protocol.usage(self.num_prompt_tokens, finished.num_generated, finished.num_cached_tokens)}
         if self.request.return_meta_info:
             extras["meta_info"] = protocol.meta_info(list(finished.accepted_lengths), self.num_prompt_tokens,
                                                      finished.num_generated)

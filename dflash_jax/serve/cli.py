@@ -84,6 +84,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--cycles-per-step", type=int,
                         help="verify cycles one engine step runs while every request decodes; more spread the "
                         "host's work per step, fewer admit new requests sooner (default: 4 on a GPU, 1 on a CPU)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="start each request from the cached KV pages (the target's and the drafter's) of the "
+                        "longest prefix an earlier request computed; --no-prefix-caching computes every prompt anew")
     parser.add_argument("--block-size", type=int,
                         help="verified block (default: the drafter's; for the demo pair on a CPU 8 in bfloat16, "
                         "4 in float32, as `demo`)")
@@ -241,7 +244,7 @@ def load_engine(args):
                                max_num_tokens=args.max_num_tokens,
                                block_size=models.info.block_size if models.drafter is not None else None,
                                max_model_len=args.max_model_len, draft_sampling=args.draft_sampling,
-                               cycles_per_step=args.cycles_per_step)
+                               cycles_per_step=args.cycles_per_step, prefix_caching=args.prefix_caching)
     return engine, models.tokenizer, models.info
 
 

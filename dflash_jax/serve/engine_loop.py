@@ -40,6 +40,7 @@ class Finished:
     num_generated: int = 0
     accepted_lengths: tuple[int, ...] = ()
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class RequestHandle:
@@ -244,6 +245,7 @@ class EngineLoop:
         now = time.perf_counter()
         self.metrics.step_time.observe(now - start)
         self.metrics.count_drafts(self.engine.draft_counts)  # before the answers go out
+        self.metrics.count_prefix_cache(self.engine.prefix_cache_stats)
         for out in outputs:
             request = self._open.get(out.request_id)
             if request is None:
@@ -264,15 +266,16 @@ class EngineLoop:
         try:
             stats = self.engine.stats(request_id)
             num_generated, accepted, preemptions = stats.num_generated, tuple(stats.accepted_lengths), stats.num_preemptions
+            cached = stats.num_cached_tokens
             error = error or stats.error
             self.engine.release(request_id)  # its tokens went to the client: the engine forgets it
         except Exception:
-            num_generated, accepted, preemptions = 0, (), 0
+            num_generated, accepted, preemptions, cached = 0, (), 0, 0
         self.metrics.finished.labels(reason=reason).inc()
         self.metrics.preemptions.inc(preemptions)
         for length in accepted:
             self.metrics.accepted_length.observe(length)
-        request.handle._send(Finished(reason, num_generated, accepted, error))
+        request.handle._send(Finished(reason, num_generated, accepted, error, cached))
         self._release()
 
     def _release(self) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dflash_jax.prefix_cache import PrefixCacheStats
 from dflash_jax.requests import DraftCounts
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -40,7 +41,8 @@ class ServerMetrics:
                                  "(waiting for a slot or in prefill)", registry=registry)
         self.open_requests = Gauge("dflash_requests_open", "Requests in the engine, not yet finished",
                                    registry=registry)
-        # vLLM's speculative-decoding and cache names (vllm:spec_decode_*, vllm:kv_cache_usage_perc).
+        # vLLM's speculative-decoding and cache names (vllm:spec_decode_*, vllm:kv_cache_usage_perc,
+        # vllm:prefix_cache_*).
         self.spec_drafts = Counter("dflash_spec_decode_num_drafts", "Verify cycles that checked drafts",
                                    registry=registry)
         self.spec_draft_tokens = Counter("dflash_spec_decode_num_draft_tokens", "Drafts checked", registry=registry)
@@ -52,7 +54,12 @@ class ServerMetrics:
             registry=registry)
         self.kv_cache_usage = Gauge("dflash_kv_cache_usage_perc", "Share of the KV cache pages held by requests (0-1)",
                                     registry=registry)
+        self.prefix_cache_queries = Counter("dflash_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=registry)
+        self.prefix_cache_hits = Counter("dflash_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                         registry=registry)
         self._drafts_seen = DraftCounts()
+        self._prefix_cache_seen = PrefixCacheStats()
 
     def count_drafts(self, counts: DraftCounts) -> None:
         """Bring the spec_decode counters up to an Engine's totals `counts`."""
@@ -64,6 +71,14 @@ class ServerMetrics:
             before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
             self.spec_accepted_per_pos.labels(position=str(position)).inc(total - before)
         self._drafts_seen = dataclasses.replace(counts, accepted_per_position=list(counts.accepted_per_position))
+
+    def count_prefix_cache(self, stats: PrefixCacheStats | None) -> None:
+        """Bring the prefix-cache counters up to an Engine's totals (None: caching is off)."""
+        if stats is None:
+            return
+        self.prefix_cache_queries.inc(stats.queries - self._prefix_cache_seen.queries)
+        self.prefix_cache_hits.inc(stats.hits - self._prefix_cache_seen.hits)
+        self._prefix_cache_seen = dataclasses.replace(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
