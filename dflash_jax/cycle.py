@@ -44,6 +44,7 @@ class CycleConfig:
     kernels: Kernels  # resolved: no "auto"
     greedy: bool  # every row at temperature 0: sampling compiles to argmaxes, draft_probs unused
     draft_sampling: str  # how sampled rows propose drafts: "sample" or "argmax" (`sampling.DRAFT_SAMPLING`)
+    logprobs: bool = False  # also report the committed tokens' log-probabilities (`Committed.logprobs`)
 
     @property
     def argmax_drafts(self) -> bool:
@@ -133,7 +134,7 @@ class CycleBatch:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["tokens_RQ", "count_R", "stopped_R"], meta_fields=[],
+    jax.tree_util.register_dataclass, data_fields=["tokens_RQ", "count_R", "stopped_R", "logprobs"], meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class Committed:
@@ -142,6 +143,9 @@ class Committed:
     tokens_RQ: jax.Array  # accepted drafts then the target's token (junk past count_R)
     count_R: jax.Array  # tokens committed: accepted + 1, cut at a stop token; 0 if remaining_R was 0
     stopped_R: jax.Array  # bool: the last committed token is a stop token
+    # With `CycleConfig.logprobs`: `sampling.token_logprobs` of tokens_RQ under the verify
+    # rows' logits (row j's logits give token j), else None.
+    logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def drafts_to_verify(remaining_R, num_drafts: int):
@@ -252,6 +256,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
                 greedy=cfg.greedy, argmax_drafts=cfg.argmax_drafts,
             )
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RE)
+        logprobs = sampling.token_logprobs(logits_RQV, tokens_RQ) if cfg.logprobs else None
     samples_R = batch.remaining_R > 0
     # A prefill chunk that commits nothing is followed by its next prompt token, the anchor
     # the drafter conditions on (a request resumed after preemption continues from its last
@@ -286,4 +291,4 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             draft_probs_SNV=with_slot_rows(state.draft_probs_SNV, batch.slots_R, probs_RNV) if cfg.keeps_draft_probs
             else state.draft_probs_SNV,
         )
-    return state, Committed(tokens_RQ, count_R, stopped_R)
+    return state, Committed(tokens_RQ, count_R, stopped_R, logprobs)

@@ -40,13 +40,15 @@ from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.requests import (
-    DraftCounts, RequestOutput, RequestStats, SamplingParams, check_count, check_prompt, check_request,
-    check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
+    DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logprobs,
+    check_prompt, check_request, check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
 from dflash_jax.step_inputs import StepInputs
-from dflash_jax.step_program import HashedOnce, default_cycles_per_step, executables, num_traces, platform_of, shape_of
+from dflash_jax.step_program import (
+    HashedOnce, default_cycles_per_step, executables, num_traces, platform_of, shape_of, unpack_committed,
+)
 from pallas_kernels.common import next_pow2
 
 # Distinct stop token ids one request may have (the width of the step's stop-id rows).
@@ -58,7 +60,8 @@ class _Launched:
     """A launched step: its work and its (not yet read) device outputs."""
 
     work: list[Work]  # every share runs the step's cycles (`Work.cycles`)
-    packed: jax.Array  # int32 [max cycles, R, Q + 2]: each cycle's `Committed` packed for one transfer
+    packed: jax.Array  # int32 [max cycles, R, width]: each cycle's `Committed` packed for one transfer
+    logprobs: bool  # whether `packed` holds log-probabilities (`step_program.pack`)
 
 
 class Engine:
@@ -218,7 +221,8 @@ class Engine:
         stop_id_array(stops, MAX_STOP_IDS)  # refuses too many
         params = dataclasses.replace(params, max_new_tokens=int(params.max_new_tokens), top_k=int(params.top_k),
                                      seed=int(params.seed), temperature=float(params.temperature),
-                                     top_p=float(params.top_p), stop_token_ids=tuple(stops))
+                                     top_p=float(params.top_p), stop_token_ids=tuple(stops),
+                                     logprobs=check_logprobs(params.logprobs))
         needed = self.scheduler.pages_needed(prompt.size + params.max_new_tokens + self.draft_block_size)
         if needed > self.scheduler.allocator.num_pages - 1:
             raise ValueError(
@@ -350,16 +354,17 @@ class Engine:
         """Run the step program on `work` (asynchronously: nothing is read back here)."""
         started = time.perf_counter()
         program = self._program_for(work)
+        logprobs = any(w.request.params.logprobs is not None for w in work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         buffer = jax.device_put(inputs.buffer, self._whole)
-        self._state, packed = self._executable(program)(self._param_leaves(), self._state, buffer)
+        self._state, packed = self._executable(program, logprobs)(self._param_leaves(), self._state, buffer)
         # Queue the tokens' copy to the host behind this step now: asked for at commit, after
         # the next step's launch, it would wait for that step too, and no two steps would overlap.
         packed.copy_to_host_async()
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
-        return _Launched(work, packed)
+        return _Launched(work, packed, logprobs)
 
     def _program_for(self, work: list[Work]) -> Program:
         """The batch's own program; while warming up, if that is not compiled yet, the smallest
@@ -380,22 +385,25 @@ class Engine:
         return min(max((p.rows for p in self.programs if not p.greedy and p.tokens == self._padded_tokens
                         and self.is_compiled(p)), default=1), self.max_num_reqs)
 
-    def _key(self, program: Program):
-        """What identifies `program`'s executable among those of engines of these models."""
-        key = self._keys.get(program)
+    def _key(self, program: Program, logprobs: bool = False):
+        """What identifies `program`'s executable (with log-probabilities or not) among those
+        of engines of these models."""
+        key = self._keys.get((program, logprobs))
         if key is None:
             layout = self._step_inputs(program.rows, program.tokens).layout
-            key = self._keys[program] = (self._argument_shapes_key, layout, program.greedy)
+            key = self._keys[program, logprobs] = (self._argument_shapes_key, layout, program.greedy, logprobs)
         return key
 
-    def _executable(self, program: Program):
+    def _executable(self, program: Program, logprobs: bool = False):
         """The compiled step for `program`, compiled now if no engine of these models and
-        sizes has compiled it yet."""
+        sizes has compiled it yet. Steps with log-probabilities have programs of their own,
+        compiled when a step first needs one."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
-            return (*self._argument_shapes, shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy)
+            return (*self._argument_shapes, shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy,
+                    logprobs)
 
-        return self._executables.get(self._key(program), shapes)
+        return self._executables.get(self._key(program, logprobs), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them cycle by
@@ -404,12 +412,13 @@ class Engine:
         packed = jax.device_get(launched.packed)
         outputs: dict[int, RequestOutput] = {}
         for cycle in packed[: launched.work[0].cycles]:
-            tokens_RQ, count_R, stopped_R = cycle[:, :-2], cycle[:, -2], cycle[:, -1]
+            tokens_RQ, count_R, stopped_R, logprobs = unpack_committed(cycle, 1 + self.num_drafts, launched.logprobs)
             for r, w in enumerate(launched.work):
                 if not self.scheduler.is_current(w):
                     continue
                 try:
-                    output = self._commit_one(w, tokens_RQ[r], int(count_R[r]), bool(stopped_R[r]))
+                    row_logprobs = None if logprobs is None else tuple(part[r] for part in logprobs)
+                    output = self._commit_one(w, tokens_RQ[r], int(count_R[r]), bool(stopped_R[r]), row_logprobs)
                 except Exception as error:  # one request's failure ends that request, not the batch
                     self.scheduler.finish(w.request)
                     output = RequestOutput(w.request.request_id, [], True, "error")
@@ -418,11 +427,14 @@ class Engine:
                     earlier = outputs.get(output.request_id)
                     if earlier is not None:
                         output.new_token_ids[:0] = earlier.new_token_ids
+                        if output.logprobs is not None:
+                            output.logprobs[:0] = earlier.logprobs
                     outputs[output.request_id] = output
         return list(outputs.values())
 
-    def _commit_one(self, w: Work, tokens_Q, count: int, stopped: bool) -> RequestOutput | None:
-        """Apply one request's share of a committed step; its output, if it got tokens."""
+    def _commit_one(self, w: Work, tokens_Q, count: int, stopped: bool, logprobs=None) -> RequestOutput | None:
+        """Apply one request's share of a committed step; its output, if it got tokens.
+        `logprobs`: the row's (logprob_Q, top_ids_QJ, top_logprobs_QJ), if the step has them."""
         request = w.request
         new = tokens_Q[:count].tolist() if w.samples else []
         request.tokens += new  # before the scheduler's books: the pages it publishes hold these
@@ -441,7 +453,8 @@ class Engine:
         reason = "stop" if stopped else "length" if request.num_generated >= request.params.max_new_tokens else None
         if reason is not None:
             self.scheduler.finish(request)
-        return RequestOutput(request.request_id, new, reason is not None, reason)
+        return RequestOutput(request.request_id, new, reason is not None, reason,
+                             token_logprobs(logprobs, count, request.params.logprobs))
 
     # ---- device state -------------------------------------------------------------------
 
@@ -462,3 +475,14 @@ class Engine:
     def _param_leaves(self) -> tuple[list[jax.Array], ...]:
         """The models' current parameter arrays: each step reads values updated in place."""
         return flatten_models(self._models)[1]
+
+
+def token_logprobs(logprobs, count: int, num_top: int | None) -> list[TokenLogprobs] | None:
+    """The first `count` tokens' `TokenLogprobs` with `num_top` alternatives each, from a row's
+    (logprob_Q, top_ids_QJ, top_logprobs_QJ); None if the request asked for none."""
+    if num_top is None:
+        return None
+    logprob_Q, top_ids_QJ, top_logprobs_QJ = logprobs
+    return [TokenLogprobs(float(logprob_Q[j]), tuple(zip(top_ids_QJ[j, :num_top].tolist(),
+                                                          top_logprobs_QJ[j, :num_top].tolist())))
+            for j in range(count)]

@@ -22,7 +22,10 @@ INT32_MAX = 2**31 - 1
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded: temperature 0 is greedy; top_k 0 and top_p 1.0 are off;
-    the seed keys every random draw (with the position), so tokens do not depend on the batch."""
+    the seed keys every random draw (with the position), so tokens do not depend on the batch.
+    `logprobs`: report each generated token's log-probability under the target (its raw
+    logits' log-softmax) and those of the `logprobs` most likely tokens there (0: the token's
+    own only; at most `sampling.MAX_TOP_LOGPROBS`); None reports none."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -30,6 +33,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely tokens' at its position,
+    as (id, log-probability) pairs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +53,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "error"
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if the request asked for them
 
 
 @dataclasses.dataclass
@@ -191,6 +205,16 @@ def check_request(prompt_len: int, max_new_tokens: int, max_model_len: int, *, t
         raise ValueError(f"seed must be an integer in [-2**31 + 1, 2**31 - 1], got {seed}.")
     if np.any(np.asarray(top_k) > INT32_MAX):
         raise ValueError(f"top_k must be below 2**31 (0 turns it off), got {top_k}.")
+
+
+def check_logprobs(logprobs) -> int | None:
+    """The top log-probabilities asked for (None: none), or ValueError."""
+    if logprobs is None:
+        return None
+    if not is_int(logprobs) or not 0 <= logprobs <= sampling.MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be None or an integer in [0, {sampling.MAX_TOP_LOGPROBS}] (the most likely "
+                         f"tokens reported with each token), got {logprobs!r}.")
+    return int(logprobs)
 
 
 def stop_id_array(stop_token_ids, width: int | None = None) -> np.ndarray:

@@ -434,3 +434,17 @@ def rejection_sample(
         k_Q < accepted_R[:, None], drafts_RQ, jnp.where(k_Q == accepted_R[:, None], next_R[:, None], -1)
     )
     return tokens_RQ, accepted_R.astype(jnp.int32)
+
+
+# Most likely alternatives reported with each token's log-probability (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits_RQV, tokens_RQ):
+    """(logprob_RQ, top_ids_RQJ, top_logprobs_RQJ): under the log-softmax of the raw logits
+    (no temperature or truncation, as vLLM reports by default), each token's log-probability
+    and the `MAX_TOP_LOGPROBS` most likely tokens' (a token < 0, no token, reads id 0's)."""
+    logprobs_RQV = jax.nn.log_softmax(logits_RQV.astype(jnp.float32), axis=-1)
+    logprob_RQ = jnp.take_along_axis(logprobs_RQV, jnp.maximum(tokens_RQ, 0)[..., None], axis=-1)[..., 0]
+    top_logprobs_RQJ, top_ids_RQJ = lax.top_k(logprobs_RQV, min(MAX_TOP_LOGPROBS, logprobs_RQV.shape[-1]))
+    return logprob_RQ, top_ids_RQJ.astype(jnp.int32), top_logprobs_RQJ

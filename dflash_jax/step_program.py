@@ -17,10 +17,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from dflash_jax.cycle import CycleConfig, fill_verify_rows, speculative_cycle
 from dflash_jax.flat_models import unflatten_models
+from dflash_jax.sampling import MAX_TOP_LOGPROBS
 from dflash_jax.sharding import replicated
 from dflash_jax.step_inputs import unpack
 
@@ -95,13 +97,13 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
     Parameters travel as flat lists of arrays (`flat_models`): no graph hashing or pytree
     flattening per step."""
 
-    def step(param_leaves, state, buffer, layout, greedy):
+    def step(param_leaves, state, buffer, layout, greedy, logprobs):
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
         batch, last_pos_R, cycles = unpack(buffer, layout)
         tables = batch.draft_page_tables  # drafter groups without pages of their own share the target's
         batch = dataclasses.replace(batch, draft_page_tables=tables + tables[:1] * (len(state.draft_caches) - len(tables)))
-        cycle_cfg = dataclasses.replace(cfg, greedy=greedy)
+        cycle_cfg = dataclasses.replace(cfg, greedy=greedy, logprobs=logprobs)
         samples_R = batch.remaining_R > 0
         mesh = models[0].mesh
 
@@ -116,8 +118,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
             # The donated state comes back placed as it went in (see Engine._whole).
             state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
                 "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
-            packed = jnp.concatenate([committed.tokens_RQ, committed.count_R[:, None],
-                                      committed.stopped_R[:, None].astype(jnp.int32)], axis=1)
+            packed = pack(committed)
             stopped_R = stopped_R | committed.stopped_R
             going = jnp.any(~stopped_R & (remaining_R - committed.count_R > 0))
             return state, stopped_R, packed, going
@@ -134,13 +135,46 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
 
         # Cycles left unrun (every row ended) read as committing nothing.
         num_rows, num_query = batch.verify_rows_RQ.shape
-        packed_by_cycle = jnp.zeros((max_cycles, num_rows, num_query + 2), jnp.int32)
+        num_top = min(MAX_TOP_LOGPROBS, models[0].cfg.vocab_size)
+        packed_by_cycle = jnp.zeros((max_cycles, num_rows, packed_width(num_query, logprobs, num_top)), jnp.int32)
         carry = (jnp.int32(0), state, not_stopped_R, jnp.bool_(True), packed_by_cycle)
         _, state, _, _, packed_by_cycle = jax.lax.while_loop(lambda c: (c[0] < cycles) & c[3], body, carry)
         return state, packed_by_cycle
 
-    return Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4)),
+    return Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4, 5)),
                         STEP_COMPILER_OPTIONS.get(platform, {}))
+
+
+def pack(committed) -> jax.Array:
+    """int32 [R, `packed_width`]: per row its tokens, count and stopped flag, then with
+    log-probabilities each token's, the top ids and the top log-probabilities (floats as
+    their bits)."""
+    parts = [committed.tokens_RQ, committed.count_R[:, None], committed.stopped_R[:, None].astype(jnp.int32)]
+    if committed.logprobs is not None:
+        logprob_RQ, top_ids_RQJ, top_logprobs_RQJ = committed.logprobs
+        num_rows = logprob_RQ.shape[0]
+        parts += [jax.lax.bitcast_convert_type(logprob_RQ, jnp.int32), top_ids_RQJ.reshape(num_rows, -1),
+                  jax.lax.bitcast_convert_type(top_logprobs_RQJ, jnp.int32).reshape(num_rows, -1)]
+    return jnp.concatenate(parts, axis=1)
+
+
+def packed_width(num_query: int, logprobs: bool, num_top: int) -> int:
+    """`pack`'s row width; `num_top`: the top log-probabilities per token."""
+    return num_query + 2 + (num_query * (1 + 2 * num_top) if logprobs else 0)
+
+
+def unpack_committed(packed_R, num_query: int, logprobs: bool):
+    """(tokens_RQ, count_R, stopped_R, logprobs or None) of one cycle's packed host array;
+    logprobs as `Committed.logprobs` (numpy)."""
+    tokens_RQ, count_R, stopped_R = packed_R[:, :num_query], packed_R[:, num_query], packed_R[:, num_query + 1]
+    if not logprobs:
+        return tokens_RQ, count_R, stopped_R, None
+    rest = packed_R[:, num_query + 2 :]
+    num_rows, num_top = rest.shape[0], (rest.shape[1] // num_query - 1) // 2
+    logprob_RQ = rest[:, :num_query].view(np.float32)
+    top_ids_RQJ = rest[:, num_query : num_query * (1 + num_top)].reshape(num_rows, num_query, num_top)
+    top_logprobs_RQJ = rest[:, num_query * (1 + num_top) :].view(np.float32).reshape(num_rows, num_query, num_top)
+    return tokens_RQ, count_R, stopped_R, (logprob_RQ, top_ids_RQJ, top_logprobs_RQJ)
 
 
 def default_cycles_per_step(mesh: Mesh | None = None) -> int:

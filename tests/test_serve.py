@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -261,7 +262,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/completions", {"prompt": "a", "frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
@@ -466,6 +471,41 @@ def test_metrics_parse_and_move(served, client):
                     for p in range(3)]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     assert 0 <= after[("dflash_kv_cache_usage_perc", ())] <= 1
+
+
+def test_logprobs_are_the_targets_own(served, client):
+    """Chat logprobs (whole and streamed) and the completions shape: each returned token's
+    log-probability and its top alternatives are the target's log-softmax along the answer."""
+    from test_logprobs import dense_logprobs
+
+    tokenizer, target = served[1], served[2]
+    messages = CHATS["colour"]
+    ids = tokenizer.encode(messages)
+    want = reference(served, [ids], 12)[0]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(**kwargs)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == len(want)
+    expected = dense_logprobs(target, ids, want)
+    np.testing.assert_allclose([c.logprob for c in content], expected[np.arange(len(want)), want], atol=1e-4)
+    for entry, row in zip(content, expected):
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(sorted(row)[::-1][:3], abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [c for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+
+    prompt_ids = tokenizer.encode_text(PROMPTS[2])
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=2)
+    report = completion.choices[0].logprobs
+    tokens = reference(served, [prompt_ids], 8)[0]
+    assert len(report.tokens) == len(report.token_logprobs) == len(report.top_logprobs) == len(tokens)
+    np.testing.assert_allclose(report.token_logprobs, dense_logprobs(target, prompt_ids, tokens)[
+        np.arange(len(tokens)), tokens], atol=1e-4)
+    assert all(len(top) <= 2 for top in report.top_logprobs)
+    assert report.text_offset == [sum(map(len, report.tokens[:k])) for k in range(len(tokens))]
 
 
 def test_a_repeated_prefix_is_served_from_the_cache(served, client):

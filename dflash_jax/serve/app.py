@@ -138,7 +138,7 @@ class _Server:
                                              request.stop_strings)
         kind = "chat.completion" if chat else "text_completion"
         answer = _Answer(protocol.new_id("chatcmpl" if chat else "cmpl"), kind, self.model_name, request,
-                         len(prompt_ids))
+                         len(prompt_ids), lambda token_id: self.tokenizer.decode([token_id]))
         pieces = self._pieces(handle, detokenizer)
         if request.stream:
             # The background abort also covers a client gone before the stream's first chunk
@@ -222,11 +222,14 @@ class _Server:
         ends = () if request.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = tuple(sorted(set(ends) | set(requested_stops)))
         return SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
-                              top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids)
+                              top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids,
+                              logprobs=request.num_logprobs)
 
     async def _pieces(self, handle: RequestHandle, detokenizer: IncrementalDetokenizer) -> AsyncIterator:
-        """(new text, None) as tokens come, then ("", Finished); a stop string ends the request
-        early, and its Finished counts the tokens up to the one that completed the stop string.
+        """(new text, None, logprobs) as tokens come, then ("", Finished, []); a stop string
+        ends the request early, and its Finished counts the tokens up to the one that completed
+        the stop string. `logprobs`: (token id, `TokenLogprobs`) of the new tokens the text
+        covers, if the request asked for them.
         A request ended without a token (queued when the server began to stop) raises
         _EngineFailed; one ended after some keeps them, its finish reason "abort"."""
         stopped_here = False
@@ -238,26 +241,29 @@ class _Server:
                 if event.reason == "abort" and not stopped_here and not event.num_generated:
                     raise _EngineFailed(event.error or "the request was aborted.", 503)
                 tail = "" if stopped_here else detokenizer.flush()
-                yield tail, (Finished("stop", detokenizer.num_tokens, event.accepted_lengths) if stopped_here
-                             else event)
+                yield tail, (Finished("stop", detokenizer.num_tokens, event.accepted_lengths,
+                                      num_cached_tokens=event.num_cached_tokens) if stopped_here else event), []
                 return
             if stopped_here:
                 continue  # tokens of the steps before the abort took effect
-            delta = detokenizer.push(event)
+            before = detokenizer.num_tokens
+            delta = detokenizer.push(event.ids)
             if detokenizer.stopped:
                 stopped_here = True
                 self.loop.abort(handle, "stop")
-            if delta:
-                yield delta, None
+            logprobs = list(zip(event.ids, event.logprobs or []))[: detokenizer.num_tokens - before]
+            if delta or logprobs:
+                yield delta, None, logprobs
 
     async def _whole(self, http: Request, handle: RequestHandle, answer: _Answer, pieces) -> Response:
         """The whole answer as one JSON body; the request is aborted if the client leaves first."""
 
         async def collect():
-            text, finished = [], None
-            async for delta, finished in pieces:
+            text, finished, logprobs = [], None, []
+            async for delta, finished, new_logprobs in pieces:
                 text.append(delta)
-            return "".join(text), finished
+                logprobs += new_logprobs
+            return "".join(text), finished, logprobs
 
         collector = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(_disconnected(http))
@@ -272,21 +278,33 @@ class _Server:
         if collector.cancelled():
             return Response(status_code=499)  # nobody reads it
         try:
-            text, finished = collector.result()
+            text, finished, logprobs = collector.result()
         except _EngineFailed as err:
             return JSONResponse(protocol.error_body(str(err), type="internal_error" if err.status == 500
                                                     else "server_unavailable"), status_code=err.status)
-        return JSONResponse(answer.whole(text, finished))
+        return JSONResponse(answer.whole(text, finished, logprobs))
 
 
 class _Answer:
     """Builds one request's response objects (whole, or as stream chunks)."""
 
-    def __init__(self, answer_id: str, kind: str, model: str, request, num_prompt_tokens: int):
+    def __init__(self, answer_id: str, kind: str, model: str, request, num_prompt_tokens: int, token_text):
         self.id, self.kind, self.model, self.request = answer_id, kind, model, request
         self.chat = isinstance(request, ChatRequest)
         self.num_prompt_tokens = num_prompt_tokens
         self.created = protocol.now()
+        self._token_text = token_text  # a token id's text, for log-probabilities
+        self._text_offset = 0  # characters of a streamed completion's tokens already reported
+
+    def _logprobs(self, logprobs) -> dict | None:
+        """The choice's `logprobs` object for (token id, TokenLogprobs) pairs (None: not asked for)."""
+        if self.request.num_logprobs is None:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(logprobs, self._token_text)
+        report = protocol.completion_logprobs(logprobs, self._token_text, self._text_offset)
+        self._text_offset += sum(map(len, report["tokens"]))
+        return report
 
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -298,22 +316,24 @@ class _Answer:
                                                      finished.num_generated)
         return extras
 
-    def whole(self, text: str, finished: Finished) -> dict:
+    def whole(self, text: str, finished: Finished, logprobs) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finished.reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(logprobs), "finish_reason": finished.reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finished.reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finished.reason}
         return {**self._base(self.kind), "choices": [choice], **self._extras(finished)}
 
-    def _chunk(self, delta: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
+    def _chunk(self, delta: str | None, finish_reason: str | None = None, *, role: bool = False,
+               logprobs=None) -> dict:
+        logprobs = None if logprobs is None else self._logprobs(logprobs)
         if self.chat:
             content = {} if delta is None else {"content": delta}
             if role:
                 content = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 
     async def stream(self, pieces, abort) -> AsyncIterator[str]:
@@ -322,9 +342,9 @@ class _Answer:
         try:
             if self.chat:
                 yield _sse(self._chunk(None, role=True))
-            async for delta, finished in pieces:
+            async for delta, finished, logprobs in pieces:
                 if finished is None:
-                    yield _sse(self._chunk(delta))
+                    yield _sse(self._chunk(delta, logprobs=logprobs))
                     continue
                 ended = True
                 if delta:

@@ -26,10 +26,19 @@ import threading
 import time
 
 from dflash_jax.engine import Engine, SamplingParams
+from dflash_jax.requests import TokenLogprobs
 from dflash_jax.serve.metrics import ServerMetrics
 from dflash_jax.serve.protocol import RequestError
 
 log = logging.getLogger("dflash_jax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """A step's new tokens of one request, with their log-probabilities if it asked for them."""
+
+    ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +53,7 @@ class Finished:
 
 
 class RequestHandle:
-    """The asyncio side of one request: `events` yields lists of new token ids, then one Finished."""
+    """The asyncio side of one request: `events` yields Tokens, then one Finished."""
 
     def __init__(self, event_loop: asyncio.AbstractEventLoop, num_prompt_tokens: int):
         self.events: asyncio.Queue = asyncio.Queue()
@@ -257,7 +266,7 @@ class EngineLoop:
                     self.metrics.inter_token_latency.observe((now - request.last_output_s) / len(out.new_token_ids))
                 request.last_output_s = now
                 self.metrics.completion_tokens.inc(len(out.new_token_ids))
-                request.handle._send(list(out.new_token_ids))
+                request.handle._send(Tokens(list(out.new_token_ids), out.logprobs))
             if out.finished:
                 self._end(out.request_id, out.finish_reason or "stop")
 

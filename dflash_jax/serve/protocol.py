@@ -4,10 +4,11 @@ Requests are validated strictly, from the JSON text itself: a field of the wrong
 refused, never coerced (`"stream": "yes"`, `"max_tokens": "4"` or `true`), numbers must be
 finite, and text that is not valid JSON (a lone UTF-16 surrogate, nesting past the parser's
 depth limit) is a 400 like any other malformed body. A field this server does not know, or knows but cannot
-honour (logprobs, tools, response_format, ...), is refused by name rather than ignored, since
-ignoring it would silently change what the client gets. Fields that cannot change the tokens
+honour (tools, response_format, ...), is refused by name rather than ignored, since
+ignoring it would silently change what the client gets. `logprobs` (and chat's `top_logprobs`)
+report the target's raw log-probabilities of the returned tokens. Fields that cannot change the tokens
 (`user`, `metadata`, ...) are accepted and ignored; so are unsupported ones left at their
-neutral value (`presence_penalty: 0`, `logprobs: null`), which some clients send by default.
+neutral value (`presence_penalty: 0`, `tools: null`), which some clients send by default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from dflash_jax.sampling import MAX_TOP_LOGPROBS
 
 INT32_MAX = 2**31 - 1
 
@@ -25,7 +28,7 @@ INT32_MAX = 2**31 - 1
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 # Unsupported fields, each with the values that mean "off" (accepted as if absent).
 UNSUPPORTED_FIELDS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -93,6 +96,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the top alternatives per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -115,6 +123,19 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # What each union-typed field takes, for its type errors (pydantic names the union's members).
@@ -166,6 +187,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprobs(tokens, text_of) -> dict:
+    """Chat's `logprobs` object for (token id, `TokenLogprobs`) pairs; `text_of(id)` is a token's text."""
+    def entry(token_id, logprob):
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                        for token_id, t in tokens]}
+
+
+def completion_logprobs(tokens, text_of, offset: int = 0) -> dict:
+    """The completions endpoint's `logprobs` object for (token id, `TokenLogprobs`) pairs,
+    text offsets counted from `offset` characters into the answer."""
+    texts = [text_of(token_id) for token_id, _ in tokens]
+    offsets = [offset + sum(map(len, texts[:k])) for k in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [t.logprob for _, t in tokens],
+            "top_logprobs": [{text_of(i): lp for i, lp in t.top} for _, t in tokens], "text_offset": offsets}
 
 
 def meta_info(accepted_lengths: list[int], prompt_tokens: int, completion_tokens: int) -> dict:
