@@ -45,6 +45,7 @@ class CycleConfig:
     greedy: bool  # every row at temperature 0: sampling compiles to argmaxes, draft_probs unused
     draft_sampling: str  # how sampled rows propose drafts: "sample" or "argmax" (`sampling.DRAFT_SAMPLING`)
     logprobs: bool = False  # also report the committed tokens' log-probabilities (`Committed.logprobs`)
+    adjusts_logits: bool = False  # apply the batch's `LogitsAdjustment` (logit bias, min_tokens)
 
     @property
     def argmax_drafts(self) -> bool:
@@ -110,10 +111,23 @@ class SamplingRows:
 
 
 @functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["bias_ids_RW", "bias_RW", "min_stop_pos_R"], meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class LogitsAdjustment:
+    """Per-row changes to the target's logits before verification and sampling
+    (`sampling.adjusted_logits`)."""
+
+    bias_ids_RW: jax.Array  # token ids of the row's logit bias, padded with -1
+    bias_RW: jax.Array  # their biases
+    min_stop_pos_R: jax.Array  # stop tokens are impossible at positions before this (prompt + min_tokens)
+
+
+@functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
         "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
-        "next_prefill_tokens_R", "stop_ids_RE", "sampling",
+        "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment",
     ],
     meta_fields=[],
 )
@@ -131,6 +145,7 @@ class CycleBatch:
     next_prefill_tokens_R: jax.Array  # the next prompt token of a row mid-prefill (the drafter's anchor)
     stop_ids_RE: jax.Array  # the row's stop token ids, padded with -1
     sampling: SamplingRows
+    adjustment: LogitsAdjustment | None = None  # read when `CycleConfig.adjusts_logits`
 
 
 @functools.partial(
@@ -241,7 +256,12 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     p = batch.sampling
     target_cache, logits, features = target_step(target, state.target_cache, batch.target, cfg.layer_ids,
                                                  cfg.kernels)
-    logits_RQV = logits.reshape(num_rows, num_query, -1)
+    raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
+    if cfg.adjusts_logits:
+        a = batch.adjustment
+        token_pos_RQ = batch.anchor_pos_R[:, None] + 1 + jnp.arange(num_query)
+        logits_RQV = sampling.adjusted_logits(logits_RQV, token_pos_RQ, a.bias_ids_RW, a.bias_RW, a.min_stop_pos_R,
+                                              batch.stop_ids_RE)
     with jax.named_scope("verify"):
         if num_query == 1:  # no drafts in this batch: one token from the target
             tokens_RQ = sampling.sample_target(logits_RQV[:, 0], p.temperature_R, p.top_k_R, p.top_p_R, p.seeds_R,
@@ -256,7 +276,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
                 greedy=cfg.greedy, argmax_drafts=cfg.argmax_drafts,
             )
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RE)
-        logprobs = sampling.token_logprobs(logits_RQV, tokens_RQ) if cfg.logprobs else None
+        logprobs = sampling.token_logprobs(raw_logits_RQV, tokens_RQ) if cfg.logprobs else None
     samples_R = batch.remaining_R > 0
     # A prefill chunk that commits nothing is followed by its next prompt token, the anchor
     # the drafter conditions on (a request resumed after preemption continues from its last

@@ -40,8 +40,8 @@ from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.requests import (
-    DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logprobs,
-    check_prompt, check_request, check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
+    DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logit_bias,
+    check_logprobs, check_prompt, check_request, check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
@@ -222,7 +222,12 @@ class Engine:
         params = dataclasses.replace(params, max_new_tokens=int(params.max_new_tokens), top_k=int(params.top_k),
                                      seed=int(params.seed), temperature=float(params.temperature),
                                      top_p=float(params.top_p), stop_token_ids=tuple(stops),
-                                     logprobs=check_logprobs(params.logprobs))
+                                     logprobs=check_logprobs(params.logprobs),
+                                     logit_bias=check_logit_bias(params.logit_bias, self._target.cfg.vocab_size),
+                                     min_tokens=check_count("min_tokens", params.min_tokens, 0))
+        if params.min_tokens > params.max_new_tokens:
+            raise ValueError(f"min_tokens={params.min_tokens} exceeds max_new_tokens={params.max_new_tokens}; "
+                             "lower min_tokens.")
         needed = self.scheduler.pages_needed(prompt.size + params.max_new_tokens + self.draft_block_size)
         if needed > self.scheduler.allocator.num_pages - 1:
             raise ValueError(
@@ -355,10 +360,12 @@ class Engine:
         started = time.perf_counter()
         program = self._program_for(work)
         logprobs = any(w.request.params.logprobs is not None for w in work)
+        adjusts = any(w.request.params.logit_bias or w.request.params.min_tokens for w in work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         buffer = jax.device_put(inputs.buffer, self._whole)
-        self._state, packed = self._executable(program, logprobs)(self._param_leaves(), self._state, buffer)
+        executable = self._executable(program, logprobs, adjusts)
+        self._state, packed = executable(self._param_leaves(), self._state, buffer)
         # Queue the tokens' copy to the host behind this step now: asked for at commit, after
         # the next step's launch, it would wait for that step too, and no two steps would overlap.
         packed.copy_to_host_async()
@@ -385,25 +392,26 @@ class Engine:
         return min(max((p.rows for p in self.programs if not p.greedy and p.tokens == self._padded_tokens
                         and self.is_compiled(p)), default=1), self.max_num_reqs)
 
-    def _key(self, program: Program, logprobs: bool = False):
-        """What identifies `program`'s executable (with log-probabilities or not) among those
-        of engines of these models."""
-        key = self._keys.get((program, logprobs))
+    def _key(self, program: Program, logprobs: bool = False, adjusts: bool = False):
+        """What identifies `program`'s executable (reporting log-probabilities or not,
+        adjusting logits or not) among those of engines of these models."""
+        key = self._keys.get((program, logprobs, adjusts))
         if key is None:
             layout = self._step_inputs(program.rows, program.tokens).layout
-            key = self._keys[program, logprobs] = (self._argument_shapes_key, layout, program.greedy, logprobs)
+            key = self._keys[program, logprobs, adjusts] = (self._argument_shapes_key, layout, program.greedy,
+                                                            logprobs, adjusts)
         return key
 
-    def _executable(self, program: Program, logprobs: bool = False):
+    def _executable(self, program: Program, logprobs: bool = False, adjusts: bool = False):
         """The compiled step for `program`, compiled now if no engine of these models and
-        sizes has compiled it yet. Steps with log-probabilities have programs of their own,
-        compiled when a step first needs one."""
+        sizes has compiled it yet. Steps that report log-probabilities or adjust logits (logit
+        bias, min_tokens) have programs of their own, compiled when a step first needs one."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
             return (*self._argument_shapes, shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy,
-                    logprobs)
+                    logprobs, adjusts)
 
-        return self._executables.get(self._key(program, logprobs), shapes)
+        return self._executables.get(self._key(program, logprobs, adjusts), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them cycle by

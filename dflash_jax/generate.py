@@ -144,7 +144,12 @@ def _sampling(params, max_new_tokens, temperature, top_k, top_p, seed, stop_toke
     clashing = [name for name, value in keywords.items() if value is not defaults[name] and value != defaults[name]]
     if clashing:
         raise ValueError(f"give sampling_params or {', '.join(clashing)}, not both.")
-    return dataclasses.asdict(params)
+    engine_only = [name for name, off in (("logprobs", None), ("logit_bias", ()), ("min_tokens", 0))
+                   if getattr(params, name) != off]
+    if engine_only:
+        raise ValueError(f"generate does not take {', '.join(engine_only)}; run such requests on the Engine "
+                         "(dflash_jax.Engine, or dflash-jax serve).")
+    return {name: getattr(params, name) for name in keywords}
 
 
 def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, page_size, kernels,

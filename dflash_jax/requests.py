@@ -17,13 +17,16 @@ from dflash_jax import sampling
 from dflash_jax.config import DrafterConfig
 
 INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 64  # logit bias entries one request may have (the width of the step's bias rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded: temperature 0 is greedy; top_k 0 and top_p 1.0 are off;
     the seed keys every random draw (with the position), so tokens do not depend on the batch.
-    `logprobs`: report each generated token's log-probability under the target (its raw
+    `logit_bias`: (token id, bias) pairs added to the target's logits (before temperature
+    and truncation, in verify blocks as in single steps); `min_tokens`: the stop tokens
+    cannot end the answer before that many tokens. `logprobs`: report each generated token's log-probability under the target (its raw
     logits' log-softmax) and those of the `logprobs` most likely tokens there (0: the token's
     own only; at most `sampling.MAX_TOP_LOGPROBS`); None reports none."""
 
@@ -34,6 +37,8 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +220,24 @@ def check_logprobs(logprobs) -> int | None:
         raise ValueError(f"logprobs must be None or an integer in [0, {sampling.MAX_TOP_LOGPROBS}] (the most likely "
                          f"tokens reported with each token), got {logprobs!r}.")
     return int(logprobs)
+
+
+def check_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The logit bias as sorted (token id, float bias) pairs, from pairs or a {id: bias} mapping,
+    or ValueError: an id outside the vocabulary, a bias that is not a finite number in
+    [-100, 100] (OpenAI's range), or more than MAX_LOGIT_BIAS entries."""
+    pairs = list(logit_bias.items()) if isinstance(logit_bias, dict) else list(logit_bias or ())
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}.")
+    checked = {}
+    for pair in pairs:
+        token, bias = pair
+        if not is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias names token {token!r}, not an id in the vocabulary [0, {vocab_size}).")
+        if not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias for token {token} must be a number in [-100, 100], got {bias!r}.")
+        checked[int(token)] = float(bias)
+    return tuple(sorted(checked.items()))
 
 
 def stop_id_array(stop_token_ids, width: int | None = None) -> np.ndarray:

@@ -448,3 +448,19 @@ def token_logprobs(logits_RQV, tokens_RQ):
     logprob_RQ = jnp.take_along_axis(logprobs_RQV, jnp.maximum(tokens_RQ, 0)[..., None], axis=-1)[..., 0]
     top_logprobs_RQJ, top_ids_RQJ = lax.top_k(logprobs_RQV, min(MAX_TOP_LOGPROBS, logprobs_RQV.shape[-1]))
     return logprob_RQ, top_ids_RQJ.astype(jnp.int32), top_logprobs_RQJ
+
+
+def adjusted_logits(logits_RQV, token_pos_RQ, bias_ids_RW, bias_RW, min_stop_pos_R, stop_ids_RE):
+    """The logits with each row's logit bias added (`bias_ids_RW` < 0: no entry) and its stop
+    tokens made impossible (-inf) for tokens at positions before `min_stop_pos_R` (its
+    prompt length plus min_tokens); `token_pos_RQ`: the position of the token each logits
+    row gives. Applied before verification and sampling alike, so verify blocks and single
+    steps draw from the same distribution."""
+    num_rows, _, vocab = logits_RQV.shape
+    rows_R1 = jnp.arange(num_rows)[:, None]
+    bias_RV = jnp.zeros((num_rows, vocab), jnp.float32).at[rows_R1, jnp.maximum(bias_ids_RW, 0)].add(
+        jnp.where(bias_ids_RW >= 0, bias_RW, 0.0))
+    is_stop_RV = jnp.zeros((num_rows, vocab), bool).at[rows_R1, jnp.maximum(stop_ids_RE, 0)].max(stop_ids_RE >= 0)
+    early_RQ = token_pos_RQ < min_stop_pos_R[:, None]
+    logits_RQV = logits_RQV.astype(jnp.float32) + bias_RV[:, None, :]
+    return jnp.where(early_RQ[:, :, None] & is_stop_RV[:, None, :], -jnp.inf, logits_RQV)

@@ -17,8 +17,9 @@ import functools
 import jax
 import numpy as np
 
-from dflash_jax.cycle import CycleBatch, SamplingRows
+from dflash_jax.cycle import CycleBatch, LogitsAdjustment, SamplingRows
 from dflash_jax.kv_cache import NULL_PAGE
+from dflash_jax.requests import MAX_LOGIT_BIAS
 from dflash_jax.scheduler import Work
 from dflash_jax.steps import TargetBatch
 
@@ -41,8 +42,10 @@ INT_FIELDS = (
     ("top_k", "R", 0),
     ("seeds", "R", 0),
     ("cycles", "1", 1),  # verify cycles the step runs (more than one only when every row verifies)
+    ("bias_ids", "RW", -1),  # the row's logit bias: token ids
+    ("min_stop_pos", "R", 0),  # no stop token before this position (prompt + min_tokens)
 )
-FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0))
+FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0), ("bias", "RW", 0.0))
 
 
 class StepInputs:
@@ -90,6 +93,10 @@ class StepInputs:
             self.stop_ids[r, : len(stops)] = stops
             self.temperature[r], self.top_k[r], self.top_p[r] = params.temperature, params.top_k, params.top_p
             self.seeds[r] = params.seed
+            if params.logit_bias:
+                ids, biases = zip(*params.logit_bias)
+                self.bias_ids[r, : len(ids)], self.bias[r, : len(ids)] = ids, biases
+            self.min_stop_pos[r] = request.prompt_len + params.min_tokens
             start += rows
             self.query_start_loc[r + 1] = start
         self.query_start_loc[len(work) + 1 :] = start
@@ -99,7 +106,7 @@ class StepInputs:
 def _blank(num_rows, num_tokens, num_query, pages_per_req, max_num_reqs, num_window_groups, max_stop_ids):
     """(the padding-filled buffer, the layout) of steps of these sizes; the buffer is copied, never written."""
     sizes = {"T": num_tokens, "R": num_rows, "R+1": num_rows + 1, "Q": num_query, "P": pages_per_req,
-             "E": max_stop_ids, "1": 1}
+             "E": max_stop_ids, "W": MAX_LOGIT_BIAS, "1": 1}
     fields = [(name, letters, fill, "int32") for name, letters, fill in INT_FIELDS]
     fields += [(f"window_table_{i}", "RP", NULL_PAGE, "int32") for i in range(num_window_groups)]
     fields += [(name, letters, fill, "float32") for name, letters, fill in FLOAT_FIELDS]
@@ -139,5 +146,6 @@ def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
         remaining_R=f["samples"], next_prefill_tokens_R=f["next_prefill"], stop_ids_RE=f["stop_ids"],
         sampling=SamplingRows(temperature_R=f["temperature"], top_k_R=f["top_k"], top_p_R=f["top_p"],
                               seeds_R=f["seeds"]),
+        adjustment=LogitsAdjustment(bias_ids_RW=f["bias_ids"], bias_RW=f["bias"], min_stop_pos_R=f["min_stop_pos"]),
     )
     return batch, f["last_pos"], f["cycles"][0]

@@ -263,6 +263,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 200}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
@@ -506,6 +511,18 @@ def test_logprobs_are_the_targets_own(served, client):
         np.arange(len(tokens)), tokens], atol=1e-4)
     assert all(len(top) <= 2 for top in report.top_logprobs)
     assert report.text_offset == [sum(map(len, report.tokens[:k])) for k in range(len(tokens))]
+
+
+def test_logit_bias_and_min_tokens(served, client):
+    """A +100 bias makes its token the answer; min_tokens keeps the EOS (biased to win) away
+    for that many tokens, the answer then ends with it."""
+    biased = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                       logit_bias={"7": 100})
+    assert biased.choices[0].text == chr(7 + 31) * 6
+    held = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                     logit_bias={str(EOS): 100}, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    assert len(held.choices[0].text) == 5  # the EOS is not part of the text
 
 
 def test_a_repeated_prefix_is_served_from_the_cache(served, client):

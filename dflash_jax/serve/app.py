@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from dflash_jax.engine import SamplingParams
-from dflash_jax.requests import check_prompt, check_stop_token_ids
+from dflash_jax.requests import check_logit_bias, check_prompt, check_stop_token_ids
 from dflash_jax.serve import protocol
 from dflash_jax.serve.detokenize import IncrementalDetokenizer
 from dflash_jax.serve.engine_loop import EngineLoop, Finished, RequestHandle
@@ -221,9 +221,17 @@ class _Server:
             raise RequestError(str(err), param="stop_token_ids") from None
         ends = () if request.ignore_eos else self.tokenizer.stop_token_ids
         stop_ids = tuple(sorted(set(ends) | set(requested_stops)))
+        if request.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens={request.min_tokens} exceeds max_tokens={max_tokens}; lower min_tokens.",
+                               param="min_tokens")
+        try:
+            logit_bias = check_logit_bias({_token_id(key): bias for key, bias in (request.logit_bias or {}).items()},
+                                          self.loop.engine.vocab_size)
+        except ValueError as err:
+            raise RequestError(str(err), param="logit_bias") from None
         return SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
                               top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids,
-                              logprobs=request.num_logprobs)
+                              logprobs=request.num_logprobs, logit_bias=logit_bias, min_tokens=request.min_tokens)
 
     async def _pieces(self, handle: RequestHandle, detokenizer: IncrementalDetokenizer) -> AsyncIterator:
         """(new text, None, logprobs) as tokens come, then ("", Finished, []); a stop string
@@ -365,6 +373,11 @@ class _Answer:
         finally:
             if not ended:
                 abort()
+
+
+def _token_id(key: str):
+    """A logit_bias key as a token id (the key itself if it is not one, for the check to name)."""
+    return int(key) if key.strip().lstrip("-").isdigit() else key
 
 
 def _sse(obj: dict) -> str:
