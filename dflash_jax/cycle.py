@@ -46,6 +46,7 @@ class CycleConfig:
     draft_sampling: str  # how sampled rows propose drafts: "sample" or "argmax" (`sampling.DRAFT_SAMPLING`)
     logprobs: bool = False  # also report the committed tokens' log-probabilities (`Committed.logprobs`)
     adjusts_logits: bool = False  # apply the batch's `LogitsAdjustment` (logit bias, min_tokens)
+    penalizes: bool = False  # apply the batch's `PenaltyRows`, keeping the state's token counts
 
     @property
     def argmax_drafts(self) -> bool:
@@ -59,7 +60,8 @@ class CycleConfig:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["target_cache", "draft_caches", "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S"],
+    data_fields=["target_cache", "draft_caches", "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S",
+                 "output_counts_SV", "prompt_seen_SV"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +74,18 @@ class DecodeState:
     draft_probs_SNV: jax.Array  # float32 [S, N, V]: the drafter's q for them (V is 0 unless cfg.keeps_draft_probs)
     anchor_S: jax.Array  # int32 [S]: the last committed token, not yet in the caches (verify row 0)
     anchor_pos_S: jax.Array  # int32 [S]: its position
+    # For penalties (V is 0 unless the state was made for them): per slot, how often each
+    # token occurs among the generated tokens in the cache (positions prompt .. anchor - 1),
+    # and which tokens the prompt holds. Kept only by steps that penalize.
+    output_counts_SV: jax.Array | None = None  # int32 [S, V]
+    prompt_seen_SV: jax.Array | None = None  # bool [S, V]
 
     @classmethod
     def zeros(cls, models, cfg: CycleConfig, *, num_slots: int, page_size: int, target_pages: int,
-              draft_pages: tuple[int, ...]) -> DecodeState:
+              draft_pages: tuple[int, ...], penalties: bool = False) -> DecodeState:
         """An empty state: caches of `target_pages` (and per drafter group `draft_pages`)
-        pages; draft probabilities only if `cfg.keeps_draft_probs`."""
+        pages; draft probabilities only if `cfg.keeps_draft_probs`; token counts for
+        penalties only if `penalties`."""
         target = models[0]
         draft_caches = ()
         if cfg.num_drafts:
@@ -92,6 +100,8 @@ class DecodeState:
             draft_probs_SNV=jnp.zeros((num_slots, cfg.num_drafts, vocab), jnp.float32),
             anchor_S=jnp.zeros((num_slots,), jnp.int32),
             anchor_pos_S=jnp.zeros((num_slots,), jnp.int32),
+            output_counts_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), jnp.int32),
+            prompt_seen_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), bool),
         )
 
 
@@ -125,9 +135,23 @@ class LogitsAdjustment:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
+    data_fields=["presence_R", "frequency_R", "repetition_R", "prompt_len_R"], meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class PenaltyRows:
+    """Per-row penalties (`sampling.penalized_logits`; 0, 0 and 1 are off) and prompt lengths."""
+
+    presence_R: jax.Array
+    frequency_R: jax.Array
+    repetition_R: jax.Array
+    prompt_len_R: jax.Array  # positions before it are the prompt's
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
     data_fields=[
         "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
-        "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment",
+        "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment", "penalties",
     ],
     meta_fields=[],
 )
@@ -146,6 +170,7 @@ class CycleBatch:
     stop_ids_RE: jax.Array  # the row's stop token ids, padded with -1
     sampling: SamplingRows
     adjustment: LogitsAdjustment | None = None  # read when `CycleConfig.adjusts_logits`
+    penalties: PenaltyRows | None = None  # read when `CycleConfig.penalizes`
 
 
 @functools.partial(
@@ -243,6 +268,36 @@ def fill_verify_rows(batch: CycleBatch, state: DecodeState) -> CycleBatch:
     return dataclasses.replace(batch, target=target, anchor_pos_R=anchor_pos_R)
 
 
+def prefill_token_counts(state: DecodeState, batch: CycleBatch):
+    """(counts_RV, seen_RV): each row's slot's generated-token counts and prompt tokens with
+    its prefill chunk's tokens added (positions from the prompt length on are generated: a
+    request recomputed after preemption); a chunk from position 0 starts them afresh."""
+    target, p = batch.target, batch.penalties
+    counts_RV = slot_rows(state.output_counts_SV, batch.slots_R)
+    seen_RV = slot_rows(state.prompt_seen_SV, batch.slots_R)
+    starts_R = target.query_start_loc[:-1]
+    has_tokens_R = target.query_start_loc[1:] > starts_R
+    fresh_R = ~batch.verifying_R & has_tokens_R & (target.positions[starts_R] == 0)
+    counts_RV = jnp.where(fresh_R[:, None], 0, counts_RV)
+    seen_RV = seen_RV & ~fresh_R[:, None]
+    real_T = jnp.arange(target.token_ids.shape[0]) < target.query_start_loc[-1]
+    prefill_T = real_T & ~batch.verifying_R[target.rows]
+    generated_T = target.positions >= p.prompt_len_R[target.rows]
+    counts_RV = counts_RV.at[target.rows, target.token_ids].add((prefill_T & generated_T).astype(jnp.int32))
+    seen_RV = seen_RV.at[target.rows, target.token_ids].max(prefill_T & ~generated_T)
+    return counts_RV, seen_RV
+
+
+def penalty_counts(counts_RV, seen_RV, inputs_RQ, verifying_R):
+    """(counts_RQV, seen_RQV) each verify row's logits are penalized with: a verifying row j
+    follows the anchor and drafts 0 .. j - 1, generated tokens not yet in the cache
+    (`inputs_RQ`: the anchor then the drafts); a prefill row's token follows the cache alone."""
+    vocab = counts_RV.shape[-1]
+    pending_RQV = jnp.cumsum(jax.nn.one_hot(inputs_RQ, vocab, dtype=jnp.int32), axis=1) * verifying_R[:, None, None]
+    counts_RQV = counts_RV[:, None, :] + pending_RQV
+    return counts_RQV, seen_RV[:, None, :] | (counts_RQV > 0)
+
+
 def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig) -> tuple[DecodeState, Committed]:
     """Target forward, verification, commit, next drafts: one cycle over `batch`.
 
@@ -257,6 +312,13 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     target_cache, logits, features = target_step(target, state.target_cache, batch.target, cfg.layer_ids,
                                                  cfg.kernels)
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
+    if cfg.penalizes:
+        counts_RV, seen_RV = prefill_token_counts(state, batch)
+        inputs_RQ = batch.target.token_ids[batch.verify_rows_RQ]  # anchor then drafts (verifying rows)
+        counts_RQV, seen_RQV = penalty_counts(counts_RV, seen_RV, inputs_RQ, batch.verifying_R)
+        q = batch.penalties
+        logits_RQV = sampling.penalized_logits(logits_RQV, counts_RQV, seen_RQV, q.presence_R, q.frequency_R,
+                                               q.repetition_R)
     if cfg.adjusts_logits:
         a = batch.adjustment
         token_pos_RQ = batch.anchor_pos_R[:, None] + 1 + jnp.arange(num_query)
@@ -278,6 +340,12 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RE)
         logprobs = sampling.token_logprobs(raw_logits_RQV, tokens_RQ) if cfg.logprobs else None
     samples_R = batch.remaining_R > 0
+    if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts
+        cached_RQ = batch.verifying_R[:, None] & (jnp.arange(num_query) < count_R[:, None])
+        counts_RV = counts_RV.at[rows_R[:, None], inputs_RQ].add(cached_RQ.astype(jnp.int32))
+        state = dataclasses.replace(
+            state, output_counts_SV=with_slot_rows(state.output_counts_SV, batch.slots_R, counts_RV),
+            prompt_seen_SV=with_slot_rows(state.prompt_seen_SV, batch.slots_R, seen_RV))
     # A prefill chunk that commits nothing is followed by its next prompt token, the anchor
     # the drafter conditions on (a request resumed after preemption continues from its last
     # token, drafted and verified as if it had never stopped).

@@ -41,7 +41,8 @@ from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.requests import (
     DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logit_bias,
-    check_logprobs, check_prompt, check_request, check_stop_token_ids, resolve_block_size, resolve_draft_block_size, stop_id_array,
+    check_logprobs, check_penalties, check_prompt, check_request, check_stop_token_ids, resolve_block_size,
+    resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
 from dflash_jax.scheduler import Request, Scheduler, Status, Work
@@ -53,6 +54,23 @@ from pallas_kernels.common import next_pow2
 
 # Distinct stop token ids one request may have (the width of the step's stop-id rows).
 MAX_STOP_IDS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFeatures:
+    """What a step computes beyond its tokens, static in its program (each combination
+    compiles a program of its own): log-probabilities, logit bias and min_tokens, penalties."""
+
+    logprobs: bool = False
+    adjusts_logits: bool = False
+    penalizes: bool = False
+
+    @classmethod
+    def of(cls, work: list[Work]) -> StepFeatures:
+        params = [w.request.params for w in work]
+        return cls(logprobs=any(p.logprobs is not None for p in params),
+                   adjusts_logits=any(p.logit_bias or p.min_tokens for p in params),
+                   penalizes=any(p.penalized for p in params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +193,7 @@ class Engine:
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
             draft_pages=(num_pages, *(a.num_pages for a in window_allocators)) if windows
-            else (num_pages,) * len(self._groups.layers if self._groups else ()),
+            else (num_pages,) * len(self._groups.layers if self._groups else ()), penalties=True,
         )
         # On a mesh the step's small inputs and the state's per-slot arrays live whole on every
         # device (the caches are split by kv head): compiled programs take fixed placements.
@@ -225,6 +243,10 @@ class Engine:
                                      logprobs=check_logprobs(params.logprobs),
                                      logit_bias=check_logit_bias(params.logit_bias, self._target.cfg.vocab_size),
                                      min_tokens=check_count("min_tokens", params.min_tokens, 0))
+        presence, frequency, repetition = check_penalties(params.presence_penalty, params.frequency_penalty,
+                                                          params.repetition_penalty)
+        params = dataclasses.replace(params, presence_penalty=presence, frequency_penalty=frequency,
+                                     repetition_penalty=repetition)
         if params.min_tokens > params.max_new_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} exceeds max_new_tokens={params.max_new_tokens}; "
                              "lower min_tokens.")
@@ -359,19 +381,17 @@ class Engine:
         """Run the step program on `work` (asynchronously: nothing is read back here)."""
         started = time.perf_counter()
         program = self._program_for(work)
-        logprobs = any(w.request.params.logprobs is not None for w in work)
-        adjusts = any(w.request.params.logit_bias or w.request.params.min_tokens for w in work)
+        features = StepFeatures.of(work)
         inputs = self._step_inputs(program.rows, program.tokens)
         inputs.fill(work, 1 + self.num_drafts)
         buffer = jax.device_put(inputs.buffer, self._whole)
-        executable = self._executable(program, logprobs, adjusts)
-        self._state, packed = executable(self._param_leaves(), self._state, buffer)
+        self._state, packed = self._executable(program, features)(self._param_leaves(), self._state, buffer)
         # Queue the tokens' copy to the host behind this step now: asked for at commit, after
         # the next step's launch, it would wait for that step too, and no two steps would overlap.
         packed.copy_to_host_async()
         self.scheduler.launched(work)
         self.last_launch_s = time.perf_counter() - started
-        return _Launched(work, packed, logprobs)
+        return _Launched(work, packed, features.logprobs)
 
     def _program_for(self, work: list[Work]) -> Program:
         """The batch's own program; while warming up, if that is not compiled yet, the smallest
@@ -392,26 +412,24 @@ class Engine:
         return min(max((p.rows for p in self.programs if not p.greedy and p.tokens == self._padded_tokens
                         and self.is_compiled(p)), default=1), self.max_num_reqs)
 
-    def _key(self, program: Program, logprobs: bool = False, adjusts: bool = False):
-        """What identifies `program`'s executable (reporting log-probabilities or not,
-        adjusting logits or not) among those of engines of these models."""
-        key = self._keys.get((program, logprobs, adjusts))
+    def _key(self, program: Program, features: StepFeatures = StepFeatures()):
+        """What identifies `program`'s executable with `features` among those of engines of these models."""
+        key = self._keys.get((program, features))
         if key is None:
             layout = self._step_inputs(program.rows, program.tokens).layout
-            key = self._keys[program, logprobs, adjusts] = (self._argument_shapes_key, layout, program.greedy,
-                                                            logprobs, adjusts)
+            key = self._keys[program, features] = (self._argument_shapes_key, layout, program.greedy, features)
         return key
 
-    def _executable(self, program: Program, logprobs: bool = False, adjusts: bool = False):
+    def _executable(self, program: Program, features: StepFeatures = StepFeatures()):
         """The compiled step for `program`, compiled now if no engine of these models and
-        sizes has compiled it yet. Steps that report log-probabilities or adjust logits (logit
-        bias, min_tokens) have programs of their own, compiled when a step first needs one."""
+        sizes has compiled it yet. Steps with features have programs of their own, compiled
+        when a step first needs one."""
         def shapes():
             inputs = self._step_inputs(program.rows, program.tokens)
             return (*self._argument_shapes, shape_of(inputs.buffer, self._whole), inputs.layout, program.greedy,
-                    logprobs, adjusts)
+                    *dataclasses.astuple(features))
 
-        return self._executables.get(self._key(program, logprobs, adjusts), shapes)
+        return self._executables.get(self._key(program, features), shapes)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens (waiting for the device) and apply them cycle by

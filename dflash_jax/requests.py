@@ -26,7 +26,9 @@ class SamplingParams:
     the seed keys every random draw (with the position), so tokens do not depend on the batch.
     `logit_bias`: (token id, bias) pairs added to the target's logits (before temperature
     and truncation, in verify blocks as in single steps); `min_tokens`: the stop tokens
-    cannot end the answer before that many tokens. `logprobs`: report each generated token's log-probability under the target (its raw
+    cannot end the answer before that many tokens. The penalties are vLLM's (presence and
+    frequency over the generated tokens, in [-2, 2]; repetition, > 0, over the prompt and
+    them; 0, 0 and 1 are off). `logprobs`: report each generated token's log-probability under the target (its raw
     logits' log-softmax) and those of the `logprobs` most likely tokens there (0: the token's
     own only; at most `sampling.MAX_TOP_LOGPROBS`); None reports none."""
 
@@ -39,6 +41,13 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +247,18 @@ def check_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ..
             raise ValueError(f"logit_bias for token {token} must be a number in [-100, 100], got {bias!r}.")
         checked[int(token)] = float(bias)
     return tuple(sorted(checked.items()))
+
+
+def check_penalties(presence, frequency, repetition) -> tuple[float, float, float]:
+    """The penalties as floats, or ValueError: presence and frequency must be finite numbers in
+    [-2, 2] (OpenAI's range), repetition a finite number > 0."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -2 <= value <= 2:
+            raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}.")
+    if (not isinstance(repetition, numbers.Real) or isinstance(repetition, bool) or not np.isfinite(repetition)
+            or repetition <= 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition!r}.")
+    return float(presence), float(frequency), float(repetition)
 
 
 def stop_id_array(stop_token_ids, width: int | None = None) -> np.ndarray:

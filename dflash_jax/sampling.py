@@ -464,3 +464,16 @@ def adjusted_logits(logits_RQV, token_pos_RQ, bias_ids_RW, bias_RW, min_stop_pos
     early_RQ = token_pos_RQ < min_stop_pos_R[:, None]
     logits_RQV = logits_RQV.astype(jnp.float32) + bias_RV[:, None, :]
     return jnp.where(early_RQ[:, :, None] & is_stop_RV[:, None, :], -jnp.inf, logits_RQV)
+
+
+def penalized_logits(logits_RQV, counts_RQV, seen_RQV, presence_R, frequency_R, repetition_R):
+    """vLLM's penalties: the repetition penalty divides positive logits (multiplies negative
+    ones) of tokens seen in the prompt or the output so far (`seen_RQV`); the frequency and
+    presence penalties subtract per output occurrence (`counts_RQV`) and once per token
+    present in the output."""
+    logits_RQV = logits_RQV.astype(jnp.float32)
+    repetition = repetition_R[:, None, None]
+    logits_RQV = jnp.where(seen_RQV, jnp.where(logits_RQV > 0, logits_RQV / repetition, logits_RQV * repetition),
+                           logits_RQV)
+    return (logits_RQV - frequency_R[:, None, None] * counts_RQV
+            - presence_R[:, None, None] * (counts_RQV > 0).astype(jnp.float32))

@@ -126,7 +126,8 @@ class Scheduler:
             request = self.waiting.popleft()
             request.status, request.slot = Status.RUNNING, self._free_slots.pop()
             self.running.append(request)
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not request.params.penalized:
+                # A penalized request prefills from its start: its first step counts its tokens.
                 self._start_from_cached_pages(request)
         budget = self.max_num_tokens
         work: list[Work] = []

@@ -17,7 +17,7 @@ import functools
 import jax
 import numpy as np
 
-from dflash_jax.cycle import CycleBatch, LogitsAdjustment, SamplingRows
+from dflash_jax.cycle import CycleBatch, LogitsAdjustment, PenaltyRows, SamplingRows
 from dflash_jax.kv_cache import NULL_PAGE
 from dflash_jax.requests import MAX_LOGIT_BIAS
 from dflash_jax.scheduler import Work
@@ -44,8 +44,10 @@ INT_FIELDS = (
     ("cycles", "1", 1),  # verify cycles the step runs (more than one only when every row verifies)
     ("bias_ids", "RW", -1),  # the row's logit bias: token ids
     ("min_stop_pos", "R", 0),  # no stop token before this position (prompt + min_tokens)
+    ("prompt_len", "R", 0),
 )
-FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0), ("bias", "RW", 0.0))
+FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0), ("bias", "RW", 0.0), ("presence", "R", 0.0),
+                ("frequency", "R", 0.0), ("repetition", "R", 1.0))
 
 
 class StepInputs:
@@ -97,6 +99,9 @@ class StepInputs:
                 ids, biases = zip(*params.logit_bias)
                 self.bias_ids[r, : len(ids)], self.bias[r, : len(ids)] = ids, biases
             self.min_stop_pos[r] = request.prompt_len + params.min_tokens
+            self.prompt_len[r] = request.prompt_len
+            self.presence[r], self.frequency[r] = params.presence_penalty, params.frequency_penalty
+            self.repetition[r] = params.repetition_penalty
             start += rows
             self.query_start_loc[r + 1] = start
         self.query_start_loc[len(work) + 1 :] = start
@@ -147,5 +152,7 @@ def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
         sampling=SamplingRows(temperature_R=f["temperature"], top_k_R=f["top_k"], top_p_R=f["top_p"],
                               seeds_R=f["seeds"]),
         adjustment=LogitsAdjustment(bias_ids_RW=f["bias_ids"], bias_RW=f["bias"], min_stop_pos_R=f["min_stop_pos"]),
+        penalties=PenaltyRows(presence_R=f["presence"], frequency_R=f["frequency"], repetition_R=f["repetition"],
+                              prompt_len_R=f["prompt_len"]),
     )
     return batch, f["last_pos"], f["cycles"][0]

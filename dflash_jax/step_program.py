@@ -97,13 +97,15 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
     Parameters travel as flat lists of arrays (`flat_models`): no graph hashing or pytree
     flattening per step."""
 
-    def step(param_leaves, state, buffer, layout, greedy, logprobs, adjusts_logits):
+    def step(param_leaves, state, buffer, layout, greedy, logprobs, adjusts_logits, penalizes):
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
         batch, last_pos_R, cycles = unpack(buffer, layout)
         tables = batch.draft_page_tables  # drafter groups without pages of their own share the target's
-        batch = dataclasses.replace(batch, draft_page_tables=tables + tables[:1] * (len(state.draft_caches) - len(tables)))
-        cycle_cfg = dataclasses.replace(cfg, greedy=greedy, logprobs=logprobs, adjusts_logits=adjusts_logits)
+        tables += tables[:1] * (len(state.draft_caches) - len(tables))
+        batch = dataclasses.replace(batch, draft_page_tables=tables)
+        cycle_cfg = dataclasses.replace(cfg, greedy=greedy, logprobs=logprobs, adjusts_logits=adjusts_logits,
+                                        penalizes=penalizes)
         samples_R = batch.remaining_R > 0
         mesh = models[0].mesh
 
@@ -117,7 +119,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
                                                  cycle_cfg)
             # The donated state comes back placed as it went in (see Engine._whole).
             state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
-                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S")})
+                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S", "output_counts_SV", "prompt_seen_SV")})
             packed = pack(committed)
             stopped_R = stopped_R | committed.stopped_R
             going = jnp.any(~stopped_R & (remaining_R - committed.count_R > 0))
@@ -141,7 +143,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
         _, state, _, _, packed_by_cycle = jax.lax.while_loop(lambda c: (c[0] < cycles) & c[3], body, carry)
         return state, packed_by_cycle
 
-    return Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4, 5, 6)),
+    return Executables(jax.jit(step, donate_argnums=1, static_argnums=(3, 4, 5, 6, 7)),
                         STEP_COMPILER_OPTIONS.get(platform, {}))
 
 

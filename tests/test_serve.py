@@ -267,6 +267,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 200}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "frequency_penalty": "1"}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
@@ -523,6 +526,18 @@ def test_logit_bias_and_min_tokens(served, client):
                                      logit_bias={str(EOS): 100}, extra_body={"min_tokens": 5})
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
     assert len(held.choices[0].text) == 5  # the EOS is not part of the text
+
+
+def test_penalties_reach_the_engine(served, client):
+    """The server's penalized greedy answer is the reference rule's over the dense target."""
+    from test_penalties import reference_greedy
+
+    tokenizer, target = served[1], served[2]
+    prompt_ids = tokenizer.encode_text(PROMPTS[3])
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, frequency_penalty=2,
+                                    presence_penalty=0.5, extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    want = reference_greedy(target, prompt_ids, 8, presence_penalty=0.5, frequency_penalty=2.0, repetition_penalty=1.5)
+    assert out.choices[0].text == text_of(tokenizer, want)
 
 
 def test_a_repeated_prefix_is_served_from_the_cache(served, client):

@@ -231,7 +231,9 @@ class _Server:
             raise RequestError(str(err), param="logit_bias") from None
         return SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
                               top_p=request.top_p, seed=request.draw_seed(), stop_token_ids=stop_ids,
-                              logprobs=request.num_logprobs, logit_bias=logit_bias, min_tokens=request.min_tokens)
+                              logprobs=request.num_logprobs, logit_bias=logit_bias, min_tokens=request.min_tokens,
+                              presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                              repetition_penalty=request.repetition_penalty)
 
     async def _pieces(self, handle: RequestHandle, detokenizer: IncrementalDetokenizer) -> AsyncIterator:
         """(new text, None, logprobs) as tokens come, then ("", Finished, []); a stop string

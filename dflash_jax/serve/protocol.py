@@ -29,8 +29,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream
 # Unsupported fields, each with the values that mean "off" (accepted as if absent).
 UNSUPPORTED_FIELDS = {
     "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
+    "suffix": (None, ""), "min_p": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
@@ -70,6 +69,9 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # vLLM's: the tokenizer's end tokens do not stop the answer (stop_token_ids still do)
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias in [-100, 100]
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)  # vLLM's: no stop token before this many tokens
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
