@@ -226,9 +226,13 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None, *,
+                    prefill_after: int | None = None) -> int:
         """Queue a request; returns its id. Refuses (ValueError, TypeError) what could never
-        run, before it takes a slot or a page: nothing about it can reach another request."""
+        run, before it takes a slot or a page: nothing about it can reach another request.
+        `prefill_after`: the id of a request with the same prompt (another choice of one
+        question); with prefix caching this one is admitted once that one's prompt is
+        prefilled, and starts from its pages."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
@@ -258,7 +262,8 @@ class Engine:
             )
         request_id = self._next_id
         self._next_id += 1
-        request = Request(request_id, int(prompt.size), prompt.tolist(), params, RequestStats())
+        first = None if prefill_after is None else self._request(prefill_after)
+        request = Request(request_id, int(prompt.size), prompt.tolist(), params, RequestStats(), prefill_after=first)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id

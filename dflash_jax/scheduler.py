@@ -57,6 +57,9 @@ class Request:
     # pages are published (or were found cached).
     page_keys: list[bytes] = dataclasses.field(default_factory=list)
     num_published: int = 0
+    # With prefix caching: a request with the same prompt (another choice of one question)
+    # that this one waits for before it is admitted, so as to start from its cached pages.
+    prefill_after: Request | None = None
 
     @property
     def num_generated(self) -> int:
@@ -123,7 +126,10 @@ class Scheduler:
         """This step's work: running requests first (verify rows), then admissions; prefill
         takes what is left of the token budget."""
         while self.waiting and len(self.running) < self.max_running:
-            request = self.waiting.popleft()
+            request = next((r for r in self.waiting if self._admissible(r)), None)
+            if request is None:
+                break
+            self.waiting.remove(request)
             request.status, request.slot = Status.RUNNING, self._free_slots.pop()
             self.running.append(request)
             if self.prefix_cache is not None and not request.params.penalized:
@@ -222,6 +228,14 @@ class Scheduler:
         request.slot, request.in_flight = -1, None
         request.status = Status.FINISHED
         request.stats.finish_s = time.perf_counter()
+
+    def _admissible(self, request: Request) -> bool:
+        """Whether a waiting request may take a slot: unless the request it waits for is still
+        to launch its last prefill chunk (whose pages it would then find cached)."""
+        first = request.prefill_after
+        if first is None or self.prefix_cache is None or first.status is Status.FINISHED:
+            return True
+        return first.status is Status.RUNNING and first.decoding
 
     def _start_from_cached_pages(self, request: Request) -> None:
         """Give a request just admitted the cached pages of its longest cached prefix: those

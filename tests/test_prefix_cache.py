@@ -102,3 +102,24 @@ def test_hits_under_preemption_and_abort_keep_the_books(models):  # noqa: F811
     assert engine.prefix_cache_stats.hits > 0
     pool = engine.scheduler.allocator
     assert pool.num_free == pool.num_pages - 1 and not pool._refs
+
+
+def test_choices_of_one_prompt_share_its_pages(models):  # noqa: F811
+    """Choices added together with `prefill_after` wait for the first one's prefill and start
+    from its pages; seeded samples are those of choices computed alone."""
+    target, drafters, _ = models
+    prompt = SHARED + [50, 51, 52]
+    engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=16, page_size=4)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, seed=s) for s in range(3)]
+    first = engine.add_request(prompt, params[0])
+    others = [engine.add_request(prompt, p, prefill_after=first) for p in params[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.stats(i).num_cached_tokens for i in [first, *others]] == [0, 40, 40]
+    alone = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=16, page_size=4, prefix_caching=False)
+    ids = [alone.add_request(prompt, p) for p in params]
+    while alone.has_unfinished():
+        alone.step()
+    assert [engine.output(i) for i in [first, *others]] == [alone.output(i) for i in ids]
+    with pytest.raises(ValueError, match="no request with id 99"):
+        engine.add_request(prompt, params[0], prefill_after=99)

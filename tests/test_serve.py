@@ -261,7 +261,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
@@ -347,8 +348,8 @@ def test_wrong_routes_and_bodies(served, client):
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
     not_json = httpx.post(url + "/v1/completions", content=b"{not json", timeout=300)
     assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.completions.create(model=MODEL, prompt="a", n=3)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
+        client.completions.create(model=MODEL, prompt="a", n=17)
 
 
 def test_full_queue_answers_429(served, client):
@@ -538,6 +539,31 @@ def test_penalties_reach_the_engine(served, client):
                                     presence_penalty=0.5, extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
     want = reference_greedy(target, prompt_ids, 8, presence_penalty=0.5, frequency_penalty=2.0, repetition_penalty=1.5)
     assert out.choices[0].text == text_of(tokenizer, want)
+
+
+def test_n_choices_whole_and_streamed(served, client):
+    """n greedy choices are the greedy answer each; seeded sampled choices differ from one
+    another, are the same streamed as whole, and choice i is a lone request with seed + i;
+    usage counts the prompt once and every choice's tokens."""
+    tokenizer = served[1]
+    ids = tokenizer.encode(CHATS["two"])
+    want = text_of(tokenizer, [t for t in reference(served, [ids], 12)[0] if t != EOS])
+    greedy = client.chat.completions.create(model=MODEL, messages=CHATS["two"], max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.message.content for c in greedy.choices] == [want] * 3
+    assert greedy.usage.prompt_tokens == len(ids)
+    assert greedy.usage.completion_tokens == 3 * len(reference(served, [ids], 12)[0])
+    kwargs = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=7)
+    whole = client.completions.create(**kwargs, n=4)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1
+    streamed = [""] * 4
+    for chunk in client.completions.create(**kwargs, n=4, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    alone = client.completions.create(**{**kwargs, "seed": 9})
+    assert alone.choices[0].text == texts[2]
 
 
 def test_a_repeated_prefix_is_served_from_the_cache(served, client):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
-import json
 import logging
 from typing import AsyncIterator
 
@@ -27,23 +27,16 @@ from starlette.exceptions import HTTPException
 from dflash_jax.engine import SamplingParams
 from dflash_jax.requests import check_logit_bias, check_prompt, check_stop_token_ids
 from dflash_jax.serve import protocol
+from dflash_jax.serve.answer import Answer, EngineFailed
 from dflash_jax.serve.detokenize import IncrementalDetokenizer
 from dflash_jax.serve.engine_loop import EngineLoop, Finished, RequestHandle
-from dflash_jax.serve.protocol import ChatRequest, CompletionRequest, RequestError
+from dflash_jax.serve.protocol import INT32_MAX, ChatRequest, CompletionRequest, RequestError
 from dflash_jax.serve.warmup import Warmup
 
 log = logging.getLogger("dflash_jax.serve")
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-
-
-class _EngineFailed(Exception):
-    """The Engine ended the request with an error (a failed step or the server stopping)."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
 
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: int,
@@ -132,21 +125,41 @@ class _Server:
         body = await self._body(http)
         request, prompt_ids, params = await asyncio.to_thread(self._prepare, kind, body)
         chat = kind is ChatRequest
-        handle = await self.loop.submit(prompt_ids, params)
+        handles = await self._submit_choices(request, prompt_ids, params)
         hidden = set(params.stop_token_ids)  # stop tokens end the answer and are not part of its text
-        detokenizer = IncrementalDetokenizer(lambda ids: self.tokenizer.decode([t for t in ids if t not in hidden]),
-                                             request.stop_strings)
+        pieces = [self._pieces(handle, IncrementalDetokenizer(
+            lambda ids: self.tokenizer.decode([t for t in ids if t not in hidden]), request.stop_strings))
+            for handle in handles]
         kind = "chat.completion" if chat else "text_completion"
-        answer = _Answer(protocol.new_id("chatcmpl" if chat else "cmpl"), kind, self.model_name, request,
+        answer = Answer(protocol.new_id("chatcmpl" if chat else "cmpl"), kind, self.model_name, request,
                          len(prompt_ids), lambda token_id: self.tokenizer.decode([token_id]))
-        pieces = self._pieces(handle, detokenizer)
+
+        def abort():
+            for handle in handles:
+                self.loop.abort(handle)
+
         if request.stream:
             # The background abort also covers a client gone before the stream's first chunk
             # (its generator never starts); after a normal end it is a no-op.
-            return StreamingResponse(answer.stream(pieces, lambda: self.loop.abort(handle)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(self.loop.abort, handle))
-        return await self._whole(http, handle, answer, pieces)
+            return StreamingResponse(answer.stream(pieces, abort), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abort))
+        return await self._whole(http, abort, answer, pieces)
+
+    async def _submit_choices(self, request, prompt_ids: list[int], params: SamplingParams) -> list[RequestHandle]:
+        """The request's `n` choices on the Engine: the first, then the others, which start from
+        its prompt's cached pages; each with a seed of its own (the request's plus the choice's
+        index, if it gave one)."""
+        handles = [await self.loop.submit(prompt_ids, params)]
+        try:
+            for index in range(1, request.n):
+                seed = (params.seed + index) % INT32_MAX if request.seed is not None else request.draw_seed()
+                handles.append(await self.loop.submit(prompt_ids, dataclasses.replace(params, seed=seed),
+                                                      prefill_after=handles[0]))
+        except BaseException:
+            for handle in handles:
+                self.loop.abort(handle)
+            raise
+        return handles
 
     async def _body(self, http: Request) -> bytes:
         """The request body, or RequestError 413 once it passes `max_request_bytes`."""
@@ -241,15 +254,15 @@ class _Server:
         the stop string. `logprobs`: (token id, `TokenLogprobs`) of the new tokens the text
         covers, if the request asked for them.
         A request ended without a token (queued when the server began to stop) raises
-        _EngineFailed; one ended after some keeps them, its finish reason "abort"."""
+        EngineFailed; one ended after some keeps them, its finish reason "abort"."""
         stopped_here = False
         while True:
             event = await handle.events.get()
             if isinstance(event, Finished):
                 if event.reason == "error":
-                    raise _EngineFailed(event.error, 500)
+                    raise EngineFailed(event.error, 500)
                 if event.reason == "abort" and not stopped_here and not event.num_generated:
-                    raise _EngineFailed(event.error or "the request was aborted.", 503)
+                    raise EngineFailed(event.error or "the request was aborted.", 503)
                 tail = "" if stopped_here else detokenizer.flush()
                 yield tail, (Finished("stop", detokenizer.num_tokens, event.accepted_lengths,
                                       num_cached_tokens=event.num_cached_tokens) if stopped_here else event), []
@@ -265,17 +278,24 @@ class _Server:
             if delta or logprobs:
                 yield delta, None, logprobs
 
-    async def _whole(self, http: Request, handle: RequestHandle, answer: _Answer, pieces) -> Response:
+    async def _whole(self, http: Request, abort, answer: Answer, pieces: list) -> Response:
         """The whole answer as one JSON body; the request is aborted if the client leaves first."""
 
-        async def collect():
+        async def collect(choice):
             text, finished, logprobs = [], None, []
-            async for delta, finished, new_logprobs in pieces:
+            async for delta, finished, new_logprobs in choice:
                 text.append(delta)
                 logprobs += new_logprobs
             return "".join(text), finished, logprobs
 
-        collector = asyncio.ensure_future(collect())
+        async def collect_all():
+            try:
+                return await asyncio.gather(*map(collect, pieces))
+            except EngineFailed:
+                abort()  # the other choices end too
+                raise
+
+        collector = asyncio.ensure_future(collect_all())
         watcher = asyncio.ensure_future(_disconnected(http))
         try:
             await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -283,107 +303,21 @@ class _Server:
             watcher.cancel()
             if not collector.done():
                 collector.cancel()
-                self.loop.abort(handle)
+                abort()
                 await asyncio.wait({collector})  # let the cancellation finish: no result to read
         if collector.cancelled():
             return Response(status_code=499)  # nobody reads it
         try:
-            text, finished, logprobs = collector.result()
-        except _EngineFailed as err:
+            choices = collector.result()
+        except EngineFailed as err:
             return JSONResponse(protocol.error_body(str(err), type="internal_error" if err.status == 500
                                                     else "server_unavailable"), status_code=err.status)
-        return JSONResponse(answer.whole(text, finished, logprobs))
-
-
-class _Answer:
-    """Builds one request's response objects (whole, or as stream chunks)."""
-
-    def __init__(self, answer_id: str, kind: str, model: str, request, num_prompt_tokens: int, token_text):
-        self.id, self.kind, self.model, self.request = answer_id, kind, model, request
-        self.chat = isinstance(request, ChatRequest)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.created = protocol.now()
-        self._token_text = token_text  # a token id's text, for log-probabilities
-        self._text_offset = 0  # characters of a streamed completion's tokens already reported
-
-    def _logprobs(self, logprobs) -> dict | None:
-        """The choice's `logprobs` object for (token id, TokenLogprobs) pairs (None: not asked for)."""
-        if self.request.num_logprobs is None:
-            return None
-        if self.chat:
-            return protocol.chat_logprobs(logprobs, self._token_text)
-        report = protocol.completion_logprobs(logprobs, self._token_text, self._text_offset)
-        self._text_offset += sum(map(len, report["tokens"]))
-        return report
-
-    def _base(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def _extras(self, finished: Finished) -> dict:
-        extras = {"usage": protocol.usage(self.num_prompt_tokens, finished.num_generated, finished.num_cached_tokens)}
-        if self.request.return_meta_info:
-            extras["meta_info"] = protocol.meta_info(list(finished.accepted_lengths), self.num_prompt_tokens,
-                                                     finished.num_generated)
-        return extras
-
-    def whole(self, text: str, finished: Finished, logprobs) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": finished.reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finished.reason}
-        return {**self._base(self.kind), "choices": [choice], **self._extras(finished)}
-
-    def _chunk(self, delta: str | None, finish_reason: str | None = None, *, role: bool = False,
-               logprobs=None) -> dict:
-        logprobs = None if logprobs is None else self._logprobs(logprobs)
-        if self.chat:
-            content = {} if delta is None else {"content": delta}
-            if role:
-                content = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self._base("text_completion"), "choices": [choice]}
-
-    async def stream(self, pieces, abort) -> AsyncIterator[str]:
-        """SSE events; `abort` ends the request if the stream stops early (the client left)."""
-        ended = False
-        try:
-            if self.chat:
-                yield _sse(self._chunk(None, role=True))
-            async for delta, finished, logprobs in pieces:
-                if finished is None:
-                    yield _sse(self._chunk(delta, logprobs=logprobs))
-                    continue
-                ended = True
-                if delta:
-                    yield _sse(self._chunk(delta))
-                last = self._chunk(None, finished.reason)
-                extras = self._extras(finished)
-                if self.request.return_meta_info:
-                    last["meta_info"] = extras["meta_info"]
-                yield _sse(last)
-                if self.request.include_usage:
-                    yield _sse({**self._base(last["object"]), "choices": [], "usage": extras["usage"]})
-            yield "data: [DONE]\n\n"
-        except _EngineFailed as err:
-            ended = True
-            kind = "internal_error" if err.status == 500 else "server_unavailable"
-            yield _sse(protocol.error_body(str(err), type=kind))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not ended:
-                abort()
+        return JSONResponse(answer.whole(choices))
 
 
 def _token_id(key: str):
     """A logit_bias key as a token id (the key itself if it is not one, for the check to name)."""
     return int(key) if key.strip().lstrip("-").isdigit() else key
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _disconnected(http: Request) -> None:

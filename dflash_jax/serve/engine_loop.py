@@ -117,9 +117,11 @@ class EngineLoop:
             self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
             self._thread.start()
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    async def submit(self, prompt_ids: list[int], params: SamplingParams,
+                     prefill_after: RequestHandle | None = None) -> RequestHandle:
         """Queue a request for the Engine; returns once the Engine has taken it. RequestError
-        when the Engine refuses it (400), the queue is full (429) or the server is stopping (503)."""
+        when the Engine refuses it (400), the queue is full (429) or the server is stopping (503).
+        `prefill_after`: an earlier request of the same prompt (`Engine.add_request`'s)."""
         with self._lock:
             if self._draining or not self.running:
                 raise RequestError("the server is shutting down; retry on another instance.", status=503,
@@ -130,7 +132,7 @@ class EngineLoop:
             self._num_open += 1
             self.idle.clear()
         handle = RequestHandle(asyncio.get_running_loop(), len(prompt_ids))
-        self._commands.put(("add", handle, list(prompt_ids), params, time.perf_counter()))
+        self._commands.put(("add", handle, list(prompt_ids), params, time.perf_counter(), prefill_after))
         try:
             await asyncio.shield(handle._admitted)
         except asyncio.CancelledError:
@@ -206,9 +208,11 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _add(self, handle: RequestHandle, prompt_ids, params: SamplingParams, submitted_s: float) -> None:
-        try:
-            request_id = self.engine.add_request(prompt_ids, params)
+    def _add(self, handle: RequestHandle, prompt_ids, params: SamplingParams, submitted_s: float,
+             prefill_after: RequestHandle | None) -> None:
+        first = prefill_after.request_id if prefill_after is not None else None
+        try:  # a first request already ended and forgotten leaves nothing to wait for
+            request_id = self.engine.add_request(prompt_ids, params, prefill_after=first if first in self._open else None)
         except ValueError as err:
             self._release()
             handle._resolve(RequestError(str(err)))

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from dflash_jax.sampling import MAX_TOP_LOGPROBS
 
 INT32_MAX = 2**31 - 1
+MAX_CHOICES = 16  # `n` at most: each choice is a request of its own on the Engine
 
 # Fields with no effect on the output.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
@@ -74,15 +75,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, sharing the prompt's cached pages
     return_meta_info: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported (one choice per request), got {n}; send n requests instead")
-        return n
 
     @property
     def stop_strings(self) -> list[str]:
