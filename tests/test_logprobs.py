@@ -18,8 +18,7 @@ def dense_logprobs(target, prompt, output):
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))[len(prompt) - 1 : len(prompt) + len(output) - 1]
 
 
-@pytest.mark.parametrize("drafter_name, temperature", [
-    ("full", 0.0), pytest.param("full", 0.9, marks=pytest.mark.slow), pytest.param(None, 0.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafter_name, temperature", [("full", 0.9), pytest.param(None, 0.0, marks=pytest.mark.slow)])
 def test_logprobs_are_the_targets_own(models, drafter_name, temperature):  # noqa: F811
     target, drafters, _ = models
     engine = Engine(target, drafters.get(drafter_name), max_num_reqs=4, max_num_tokens=32)

@@ -71,7 +71,7 @@ def test_sampled_penalized_rows_follow_the_penalized_distribution(models):  # no
 
     def repeats(drafter, penalty):
         params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=s, frequency_penalty=penalty)
-                  for s in range(16)]
+                  for s in range(8)]
         answers = run(Engine(target, drafter, max_num_reqs=4, max_num_tokens=32), params)
         return np.mean([1 - len(set(a)) / len(a) for a in answers])
 

@@ -58,8 +58,7 @@ def serve_in_turn(engine, prompts, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_name", ["full", "sliding"])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("drafter_name, temperature", [("full", 0.0), ("sliding", 0.8)])
 def test_a_hit_changes_neither_tokens_nor_acceptance(models, drafter_name, temperature):  # noqa: F811
     target, drafters, _ = models
     params = SamplingParams(max_new_tokens=14, temperature=temperature, seed=5)
