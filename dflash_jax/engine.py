@@ -192,8 +192,9 @@ class Engine:
         self._executables = executables(treedefs, cfg, self.cycles_per_step, platform_of(target.mesh))
         self._state = DecodeState.zeros(
             self._models, cfg, num_slots=max_num_reqs, page_size=page_size, target_pages=num_pages,
-            draft_pages=(num_pages, *(a.num_pages for a in window_allocators)) if windows
-            else (num_pages,) * len(self._groups.layers if self._groups else ()), penalties=True,
+            # Groups on the target's pages first, then those with pools of their own.
+            draft_pages=(num_pages,) * (len(self._groups.layers) - len(windows) if self._groups else 0)
+            + tuple(a.num_pages for a in window_allocators), penalties=True,
         )
         # On a mesh the step's small inputs and the state's per-slot arrays live whole on every
         # device (the caches are split by kv head): compiled programs take fixed placements.
@@ -241,15 +242,15 @@ class Engine:
                       top_k=params.top_k, top_p=params.top_p, seed=params.seed)
         stops = check_stop_token_ids(params.stop_token_ids, self._target.cfg.vocab_size)
         stop_id_array(stops, MAX_STOP_IDS)  # refuses too many
+        presence, frequency, repetition = check_penalties(params.presence_penalty, params.frequency_penalty,
+                                                          params.repetition_penalty)
         params = dataclasses.replace(params, max_new_tokens=int(params.max_new_tokens), top_k=int(params.top_k),
                                      seed=int(params.seed), temperature=float(params.temperature),
                                      top_p=float(params.top_p), stop_token_ids=tuple(stops),
                                      logprobs=check_logprobs(params.logprobs),
                                      logit_bias=check_logit_bias(params.logit_bias, self._target.cfg.vocab_size),
-                                     min_tokens=check_count("min_tokens", params.min_tokens, 0))
-        presence, frequency, repetition = check_penalties(params.presence_penalty, params.frequency_penalty,
-                                                          params.repetition_penalty)
-        params = dataclasses.replace(params, presence_penalty=presence, frequency_penalty=frequency,
+                                     min_tokens=check_count("min_tokens", params.min_tokens, 0),
+                                     presence_penalty=presence, frequency_penalty=frequency,
                                      repetition_penalty=repetition)
         if params.min_tokens > params.max_new_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} exceeds max_new_tokens={params.max_new_tokens}; "

@@ -119,7 +119,8 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
                                                  cycle_cfg)
             # The donated state comes back placed as it went in (see Engine._whole).
             state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
-                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S", "output_counts_SV", "prompt_seen_SV")})
+                "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S", "output_counts_SV",
+                "prompt_seen_SV")})
             packed = pack(committed)
             stopped_R = stopped_R | committed.stopped_R
             going = jnp.any(~stopped_R & (remaining_R - committed.count_R > 0))
