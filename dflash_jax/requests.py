@@ -116,7 +116,11 @@ class DraftCounts:
 
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool (True would pass as 1) and not a float like 3.0."""
-    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return is_int_type(type(value))
+
+
+def is_int_type(kind: type) -> bool:
+    return issubclass(kind, (numbers.Integral, np.integer)) and not issubclass(kind, (bool, np.bool_))
 
 
 def check_count(name: str, value, minimum: int = 1) -> int:
@@ -180,8 +184,9 @@ def check_prompt(prompt, vocab_size: int, name: str = "prompt") -> np.ndarray:
         raise ValueError(f"{name} is empty or not a flat list of token ids; give at least one token.")
     if hasattr(prompt, "dtype"):  # numpy or jax array: its dtype says it
         bad = None if ids.dtype.kind in "iu" else ids[0].item()
-    else:
-        bad = next((t for t in prompt if not is_int(t)), None)
+    else:  # each distinct type checked once: a long prompt is thousands of ints
+        bad_types = {kind for kind in set(map(type, prompt)) if not is_int_type(kind)}
+        bad = next((t for t in prompt if type(t) in bad_types), None)
     if bad is not None or ids.dtype.kind not in "iu":
         raise ValueError(f"{name} holds {bad!r}, not an integer; token ids must be integers.")
     if ids.min() < 0 or ids.max() >= vocab_size:

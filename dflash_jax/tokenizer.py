@@ -7,6 +7,7 @@ template (`tokenizer_config.json` or `chat_template.jinja`, rendered with jinja2
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -52,6 +53,13 @@ class ChatTokenizer:
         return self.tokenizer.decode([t for t in token_ids if t not in stops], skip_special_tokens=True)
 
     def _render(self, messages, template_kwargs=None) -> str:
+        variables = {k: v or "" for k, v in self.special.items()}
+        variables.update(template_kwargs or {})
+        return self._compiled_template.render(messages=messages, add_generation_prompt=True, **variables)
+
+    @functools.cached_property
+    def _compiled_template(self):
+        """The chat template compiled once: compiling it costs each request more than rendering."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -59,9 +67,7 @@ class ChatTokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        variables = {k: v or "" for k, v in self.special.items()}
-        variables.update(template_kwargs or {})
-        return env.from_string(self.template).render(messages=messages, add_generation_prompt=True, **variables)
+        return env.from_string(self.template)
 
     def _stop_ids(self, generation_config: dict) -> list[int]:
         """eos from tokenizer_config.json and generation_config.json (int or list)."""

@@ -30,7 +30,11 @@
 #                 SERVE_REQS=64 for issue 20's last level);
 #   shared-prefix this tree only, the demo pair: bench.serving.shared_prefix, multi-turn chats
 #                 behind a ~2k-token system prompt with prefix caching on and off (PREFIX_LEVELS,
-#                 default 1,4,16; PREFIX_ARGS: more server flags; the same .whl/ as serve);
+#                 default 1,4,16; PREFIX_MODES, default both; PREFIX_ARGS: more server flags; the
+#                 same .whl/ as serve);
+#   first-token   this tree only, the demo pair: bench.serving.first_token, where a request's time
+#                 to first token goes (no HTTP) with the server's defaults and each variant in
+#                 FIRST_TOKEN_VARIANTS (server flags, variants separated by ";");
 #   startup       this tree only: bench.serving.startup;
 #   versus        this tree only, the demo pair from the carried GGUF: bench.serving.versus_generate,
 #                 the server against `generate` on the same prompts (VERSUS_ARGS: its server
@@ -150,8 +154,19 @@ for step in "$@"; do
         echo "== shared-prefix"
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout ${PREFIX_LIMIT:-560} python3 -m bench.serving.shared_prefix \
             --commit "$commit" --out "$out/shared-prefix.json" --concurrency ${PREFIX_LEVELS:-1,4,16} \
+            --modes ${PREFIX_MODES:-dflash,autoregressive} \
             --server-args "--cache-dir /tmp/carry/cache ${PREFIX_ARGS:-}" > "$out/shared-prefix.log" 2>&1
         echo "   rc=$?"; grep -E "caching (on|off) " "$out/shared-prefix.log" ;;
+    first-token)
+        smollm2_target
+        serve_site
+        variants=(--server-args "--cache-dir /tmp/carry/cache")
+        IFS=';' read -ra extra <<< "${FIRST_TOKEN_VARIANTS:-}"
+        for flags in "${extra[@]}"; do variants+=(--server-args "--cache-dir /tmp/carry/cache $flags"); done
+        echo "== first-token"
+        PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout ${FIRST_TOKEN_LIMIT:-400} python3 -m bench.serving.first_token --commit "$commit" \
+            --out "$out/first-token.json" "${variants[@]}" > "$out/first-token.log" 2>&1
+        echo "   rc=$?"; grep -E "^\[" "$out/first-token.log" ;;
     startup)
         smollm2_target
         echo "== startup"
