@@ -104,5 +104,6 @@ def load_checkpoint(path: str | Path, dtype=None, mesh: Mesh | None = None) -> T
         params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), on_host)
         return place_model(cfg, target_dtype, params, mesh)
     params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
-    params = jax.tree.map(lambda x: x.astype(target_dtype), params)
+    wanted = nnx.to_pure_dict(nnx.state(abstract_model(cfg, target_dtype), nnx.Param))
+    params = jax.tree.map(lambda x, want: x.astype(want.dtype), params, wanted)  # 8-bit weights and scales stay
     return model_from_params(cfg, target_dtype, params)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dflash_jax.formats.hf_to_nnx import convert_checkpoint
+from dflash_jax.quantization import QUANTIZE_CHOICES
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -21,11 +22,18 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("hf_dir", type=Path, help="HF model folder, or a .gguf file")
     parser.add_argument("out_dir", type=Path, help="output folder (must not exist unless --force)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="dtype of the activations and of the float parameters (default: as stored)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                        help="store a float target's decoder-layer weights in 8 bits (weight-only, one scale per "
+                        "output channel): int8, or fp8 (e4m3); FP8 checkpoints stay 8-bit without it")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.set_defaults(run=run, writes_files=True)
 
 
 def run(args: argparse.Namespace) -> None:
-    cfg, dtype = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=True)
-    print(f"wrote {cfg.kind} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {dtype}) to {args.out_dir}")
+    cfg, dtype = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=True,
+                                    quantize=args.quantize)
+    weights = getattr(cfg, "quantization", None)
+    eight_bit = f", {weights.weights} weights" if weights is not None else ""
+    print(f"wrote {cfg.kind} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {dtype}{eight_bit}) to {args.out_dir}")

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash_jax.quantization import QuantizationError, WeightQuantization, parse_quantization
 from pallas_kernels.attention_mask import LayerAttention
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -54,6 +55,7 @@ class TargetConfig:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    quantization: WeightQuantization | None = None  # 8-bit decoder-layer weights (None: float)
 
     @property
     def kind(self) -> str:
@@ -153,7 +155,15 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=is_qwen3,
+        quantization=_quantization(raw),
     )
+
+
+def _quantization(raw: dict[str, Any]) -> WeightQuantization | None:
+    try:
+        return parse_quantization(raw.get("quantization_config"))
+    except QuantizationError as err:
+        raise ConfigError(str(err)) from None
 
 
 def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
@@ -167,6 +177,9 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         raise ConfigError(
             f"unsupported drafter architecture {architecture!r}; expected DFlashDraftModel."
         )
+    if raw.get("quantization_config"):
+        raise ConfigError("quantized drafters are not supported; give the drafter's float checkpoint (the drafter "
+                          "is a small share of a step's bytes).")
     dflash = raw.get("dflash_config") or {}
 
     def field(name: str, default: Any = None) -> Any:

@@ -28,6 +28,7 @@ from jax import lax
 
 from dflash_jax.config import RopeConfig
 from dflash_jax.kernels import REFERENCE, Kernels
+from dflash_jax.quantization import QuantizedLinear, WeightQuantization
 from pallas_kernels.finish_heads import finish_qkv_reference, rotate
 from pallas_kernels.rms_norm import add_rms_norm_reference
 
@@ -69,8 +70,13 @@ def linear(
     use_bias: bool,
     dtype,
     rngs: nnx.Rngs,
-) -> nnx.Linear:
-    """An `nnx.Linear` (kernel `[in, out]`) with logical axes on kernel and bias."""
+    quantization: WeightQuantization | None = None,
+) -> nnx.Linear | QuantizedLinear:
+    """An `nnx.Linear` (kernel `[in, out]`) with logical axes on kernel and bias; with
+    `quantization`, a `QuantizedLinear` of the same shape and axes."""
+    if quantization is not None:
+        return QuantizedLinear(in_features, out_features, quantization, axes=axes, use_bias=use_bias, dtype=dtype,
+                               dot_general=dot_general)
     return nnx.Linear(
         in_features,
         out_features,
@@ -107,12 +113,14 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one matrix
     [Wgate | Wup] (one product streams both; the converter fills the two column blocks)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool, dtype, rngs):
+    def __init__(self, hidden: int, intermediate: int, *, use_bias: bool, dtype, rngs,
+                 quantization: WeightQuantization | None = None):
         self.intermediate = intermediate
         self.shards = 1  # column groups of gate_up_proj: [gate_g | up_g] per shard g
         self.gate_up_proj = linear(hidden, 2 * intermediate, ("embed", "mlp"), use_bias=use_bias, dtype=dtype,
-                                   rngs=rngs)
-        self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+                                   rngs=rngs, quantization=quantization)
+        self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs,
+                                quantization=quantization)
 
     def __call__(self, x):
         gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
@@ -188,7 +196,7 @@ class Attention(nnx.Module):
     and `o_proj` takes the result back to the model dimension.
     """
 
-    def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs, quantization: WeightQuantization | None = None):
         self.cfg = cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
@@ -196,8 +204,10 @@ class Attention(nnx.Module):
         # separate k and v products of a decode step into slow multiply + reduce kernels; one
         # product reads them at the matrix rate. The converter fills the columns from HF's
         # q_proj/k_proj/v_proj.
-        self.qkv_proj = linear(d, (n + 2 * k) * h, ("embed", "qkv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = linear(d, (n + 2 * k) * h, ("embed", "qkv_heads"), use_bias=bias, dtype=dtype, rngs=rngs,
+                               quantization=quantization)
+        self.o_proj = linear(n * h, d, ("q_heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs,
+                             quantization=quantization)
         self.qk_norm = qk_norm
         self.shards = 1  # column groups of qkv_proj: [q_g | k_g | v_g] per shard g
         if qk_norm:
@@ -264,13 +274,16 @@ def finishing(attend_qkv: Callable) -> AttendFn:
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`."""
+    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`. A
+    target config's `quantization` makes its four products 8-bit (`QuantizedLinear`)."""
 
     def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs):
+        quantization = getattr(cfg, "quantization", None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs, quantization=quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs,
+                       quantization=quantization)
 
     def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
         """(x, delta) -> (x', delta'). The layer's input is x + delta (delta None: x), summed by

@@ -19,7 +19,7 @@ from dflash_jax.sharding import param_spec, tensor_parallel_size
 
 def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Mesh | None) -> Target | Drafter:
     """A model from a nested dict of host arrays (`nnx.to_pure_dict` layout, one-device column
-    order), each parameter cast to `dtype` and sent to its shards of `mesh` (to the default
+    order), each float parameter cast to `dtype` (8-bit weights and their scales kept) and sent to its shards of `mesh` (to the default
     device when `mesh` is None): a device receives its slices only, never a whole matrix."""
     shards = tensor_parallel_size(mesh)
     if mesh is not None:
@@ -29,11 +29,12 @@ def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Me
     abstract = {path: variable for path, variable in nnx.to_flat_state(state)}
 
     def place(path, value):
-        if mesh is None:
-            return jnp.asarray(value, dtype)
         variable = abstract[tuple(int(key) if str(key).isdigit() else key for key in path)]
+        want = variable.dtype  # `dtype`, or a quantized layer's 8-bit values and float32 scales
+        if mesh is None:
+            return jnp.asarray(value, want)
         spec = param_spec(variable.get_metadata().get("out_sharding"), variable.shape, shards)
-        host = np.asarray(value).astype(dtype)
+        host = np.asarray(value).astype(want)
         return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
 
     flat = traverse_util.flatten_dict(params)

@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b", help="the random models' shapes")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the random models' dtype (the PyTorch anchors run in bfloat16 only)")
+    parser.add_argument("--quantize", choices=("int8", "fp8"),
+                        help="the target's decoder-layer weights in 8 bits (weight-only, per output channel)")
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
@@ -209,6 +211,8 @@ def main(argv=None) -> int:
         parser.error("--torch-anchors runs the PyTorch anchors in bfloat16: drop it or --dtype float32.")
     if opts.tensor_parallel < 1:
         parser.error("--tensor-parallel must be at least 1.")
+    if opts.quantize and (opts.torch_anchors or opts.tensor_parallel > 1):
+        parser.error("--quantize runs one device without anchors: drop --torch-anchors and --tensor-parallel.")
     if opts.tensor_parallel > 1 and (opts.torch_anchors or opts.profile):
         parser.error("--torch-anchors and --profile measure one device: drop them or --tensor-parallel.")
     opts.block_sizes = [int(b) for b in opts.block_sizes.split(",")]
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
     md_path = Path(opts.out).with_suffix(".md")
     budget = Budget(opts.budget_s)
     model = "small" if small else opts.model
-    run = dict(small=small, model=model, dtype=opts.dtype, tensor_parallel=tp,
+    run = dict(small=small, model=model, dtype=opts.dtype, quantize=opts.quantize, tensor_parallel=tp,
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
 
     print(json.dumps(record.env), flush=True)
     t0 = time.perf_counter()
-    pair = build_pair(model, opts.dtype, mesh=mesh)
+    pair = build_pair(model, opts.dtype, mesh=mesh, quantize=opts.quantize)
     note(f"models built on the device{f' and placed on {tp} devices' if mesh else ''} in "
          f"{time.perf_counter() - t0:.1f} s")
     run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,

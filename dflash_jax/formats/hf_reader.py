@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 
 
 class ConversionError(ValueError):
@@ -63,7 +64,7 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
 def _safetensors_source(files: list[Path]) -> TensorSource:
     from safetensors import SafetensorError, safe_open
 
-    handles, shapes, dtypes, owner = [], {}, {}, {}
+    handles, shapes, dtypes, owner, paths = [], {}, {}, {}, {}
     for path in files:
         if not path.is_file():
             raise ConversionError(f"{path} is listed in the index but does not exist.")
@@ -78,15 +79,30 @@ def _safetensors_source(files: list[Path]) -> TensorSource:
             tensor = handle.get_slice(name)
             shapes[name] = tuple(tensor.get_shape())
             dtypes[name] = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype().lower())
-            owner[name] = handle
+            owner[name], paths[name] = handle, path
 
     def get(name):
         try:
+            if dtypes[name].startswith("float8"):  # safetensors' numpy and flax readers have no 8-bit floats
+                return _raw_tensor(paths[name], name, dtypes[name], shapes[name])
             return owner[name].get_tensor(name)
         except Exception as err:  # safetensors raises its own error types here
             raise ConversionError(f"cannot read tensor {name!r}: {err}") from err
 
     return TensorSource(shapes, get, dtypes)
+
+
+def _raw_tensor(path: Path, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor read straight from a .safetensors file (an 8-byte header size, a JSON header
+    of byte offsets, then the data), as the ml_dtypes type `dtype`."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        start, stop = json.loads(f.read(header_size))[name]["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = f.read(stop - start)
+    return np.frombuffer(data, getattr(ml_dtypes, dtype)).reshape(shape)
 
 
 def _torch_source(files: list[Path]) -> TensorSource:

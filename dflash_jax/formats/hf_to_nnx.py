@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ from dflash_jax.formats.gguf_reader import gguf_target_rules, is_gguf_file, open
 from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
 from dflash_jax.formats.hf_reader import ConversionError, open_checkpoint
 from dflash_jax.formats.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
-from dflash_jax.models import abstract_model, model_from_params
+from dflash_jax.models import abstract_model, model_from_params, quantize_target
 from dflash_jax.placement import place_model
+from dflash_jax.quantization import QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape, hf_scales
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -57,6 +59,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     else:
         raw_config = read_config_json(hf_dir)
         cfg = parse_config(raw_config)
+        if getattr(cfg, "quantization", None) is not None and cfg.quantization.hf_scale is None:
+            raise ConversionError(f"{hf_dir}'s config.json names dflash-jax's own quantization, which only converted "
+                                  "(orbax) folders hold; give the converted folder, or a float or FP8 HF checkpoint.")
         source = open_checkpoint(hf_dir)
     shapes = dict(source.shapes)
     aliases = {}
@@ -92,6 +97,11 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     for rule in rules:
         want = rule.part_shape(get_path(abstract_params, rule.path).shape)
         want_hf = tuple(reversed(want)) if rule.transpose else tuple(want)
+        if rule.scales:  # beside a weight [out, in]: per block, per output channel, or one value
+            weight = rule.part_shape(get_path(abstract_params, (*rule.path[:-1], "kernel")).shape)
+            want_hf = hf_scale_shape(cfg.quantization, *weight)
+            if math.prod(shapes[rule.hf_name]) == 1:
+                continue
         if tuple(shapes[rule.hf_name]) != want_hf:
             raise ConversionError(
                 f"shape mismatch for {rule.hf_name!r}: expected {list(want_hf)}, "
@@ -101,12 +111,16 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     xp = jnp if mesh is None else np  # on a mesh: host arrays, then shards
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
-        array = xp.asarray(_float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name))))
-        array = (array.T if rule.transpose else array).astype(dtype)
+        array = _float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name)))
+        abstract = get_path(abstract_params, rule.path)  # its dtype: `dtype`, or 8-bit values and float32 scales
+        if rule.scales:
+            array = hf_scales(array, cfg.quantization, rule.part_shape(abstract.shape)[-1])
+        array = xp.asarray(array)
+        array = (array.T if rule.transpose else array).astype(abstract.dtype)
         if rule.columns is not None:  # a column block of a fused parameter: fill it in place
             whole = _get_or_none(params, rule.path)
             if whole is None:
-                whole = xp.zeros(get_path(abstract_params, rule.path).shape, dtype)
+                whole = xp.zeros(abstract.shape, abstract.dtype)
             if mesh is None:
                 array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
             else:
@@ -150,9 +164,11 @@ def _get_or_none(tree: dict, path: tuple):
 
 
 def convert_checkpoint(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype=None, force: bool = False, progress: bool = False
+    hf_dir: str | Path, out_dir: str | Path, *, dtype=None, force: bool = False, progress: bool = False,
+    quantize: str | None = None,
 ) -> tuple[TargetConfig | DrafterConfig, jnp.dtype]:
-    """Convert `hf_dir` (folder or .gguf file) into an orbax folder at `out_dir`.
+    """Convert `hf_dir` (folder or .gguf file) into an orbax folder at `out_dir`; `quantize`
+    ("int8" or "fp8") stores a float target's decoder-layer weights in 8 bits.
 
     Returns (config, dtype written). A GGUF file's tokenizer is rebuilt from its metadata
     first, so an unsupported tokenizer stops the conversion before any weight is read.
@@ -161,9 +177,13 @@ def convert_checkpoint(
     refuse_overlap(hf_dir, out_dir)
     if dtype is not None:
         dtype = float_dtype(dtype)
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ConversionError(f"cannot quantize to {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}.")
     with terminate_raises(), StagedOutput(out_dir, force=force, what="conversion") as staged:
         tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
         raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
+        if quantize is not None:
+            raw_config, model = _quantized(raw_config, model, WeightQuantization(quantize))
         save_checkpoint(model, raw_config, staged.path)
         for name in SIDE_FILES:
             if (hf_dir / name).is_file():
@@ -172,6 +192,16 @@ def convert_checkpoint(
             (staged.path / name).write_text(text)
         staged.commit()
     return model.cfg, model.dtype
+
+
+def _quantized(raw_config: dict, model, quantization: WeightQuantization):
+    """(config.json naming the quantization, the model with 8-bit decoder-layer weights)."""
+    if isinstance(model.cfg, DrafterConfig):
+        raise ConversionError("--quantize applies to targets; a drafter is a small share of a step's bytes and "
+                              "stays in float (convert it without --quantize).")
+    if model.cfg.quantization is not None:
+        raise ConversionError("this checkpoint's weights are 8-bit already and stay so; convert it without --quantize.")
+    return {**raw_config, "quantization_config": quantization.to_config()}, quantize_target(model, quantization)
 
 
 def _resolve_fc_width(cfg: DrafterConfig, raw_config: dict, shapes: dict):

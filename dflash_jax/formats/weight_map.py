@@ -11,6 +11,7 @@ their own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -22,6 +23,7 @@ class WeightRule:
     path: tuple[str | int, ...]
     transpose: bool
     columns: tuple[int, int] | None = None  # [start, stop) of the parameter's last axis; None: all
+    scales: bool = False  # a quantized weight's scale tensor (`quantization.hf_scales` lays it out)
 
     def part(self, param):
         """This rule's piece of the (our-layout) parameter `param`."""
@@ -35,8 +37,11 @@ class WeightRule:
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _linear(hf_prefix: str, path: tuple, *, bias: bool, columns: tuple[int, int] | None = None) -> list[WeightRule]:
+def _linear(hf_prefix: str, path: tuple, *, bias: bool, columns: tuple[int, int] | None = None,
+            scale_name: str | None = None) -> list[WeightRule]:
     rules = [WeightRule(f"{hf_prefix}.weight", (*path, "kernel"), True, columns)]
+    if scale_name is not None:
+        rules.append(WeightRule(f"{hf_prefix}.{scale_name}", (*path, "scale"), False, columns, scales=True))
     if bias:
         rules.append(WeightRule(f"{hf_prefix}.bias", (*path, "bias"), False, columns))
     return rules
@@ -51,20 +56,22 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
     ]
+    quantization = getattr(cfg, "quantization", None)
+    linear = functools.partial(_linear, scale_name=quantization and quantization.hf_scale)
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
     for proj, start in starts.items():
         width = q_width if proj == "q_proj" else kv_width
-        rules += _linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"), bias=cfg.attention_bias,
-                         columns=(start, start + width))
-    rules += _linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
+        rules += linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"), bias=cfg.attention_bias,
+                        columns=(start, start + width))
+    rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
     if qk_norm:
         rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
     inter = cfg.intermediate_size
     for proj, start in (("gate_proj", 0), ("up_proj", inter)):
-        rules += _linear(f"{hf}.mlp.{proj}", (*path, "mlp", "gate_up_proj"), bias=mlp_bias,
-                         columns=(start, start + inter))
-    rules += _linear(f"{hf}.mlp.down_proj", (*path, "mlp", "down_proj"), bias=mlp_bias)
+        rules += linear(f"{hf}.mlp.{proj}", (*path, "mlp", "gate_up_proj"), bias=mlp_bias,
+                        columns=(start, start + inter))
+    rules += linear(f"{hf}.mlp.down_proj", (*path, "mlp", "down_proj"), bias=mlp_bias)
     return rules
 
 
@@ -80,8 +87,10 @@ def target_rules(cfg: TargetConfig) -> list[WeightRule]:
 
 
 def target_ignored(cfg: TargetConfig, name: str) -> bool:
-    """A tied model may still ship `lm_head.weight` (a copy of the embedding): not used."""
-    return bool(IGNORED_TENSORS.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+    """A tied model may still ship `lm_head.weight` (a copy of the embedding): not used; nor
+    are an 8-bit checkpoint's activation scales (its products run on unquantized activations)."""
+    return (bool(IGNORED_TENSORS.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+            or (cfg.quantization is not None and name.endswith(".input_scale")))
 
 
 def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:

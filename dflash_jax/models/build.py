@@ -3,6 +3,7 @@ loader (orbax, HF, GGUF) and the trainer make a model from parameters read once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
@@ -10,6 +11,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+from dflash_jax.quantization import WeightQuantization, quantize
 
 
 def abstract_model(cfg: TargetConfig | DrafterConfig, dtype) -> Target | Drafter:
@@ -22,3 +24,24 @@ def model_from_params(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def quantize_target(model: Target, quantization: WeightQuantization) -> Target:
+    """`model` (float weights, one device) with its decoder layers' products in 8 bits: each
+    layer the quantized config makes a `QuantizedLinear` gets its float kernel quantized."""
+    if model.cfg.quantization is not None:
+        raise ValueError("this target's weights are 8-bit already; quantize its float original instead.")
+    if model.mesh is not None:
+        raise ValueError("quantize a target loaded without a mesh, then place it on the mesh.")
+    cfg = dataclasses.replace(model.cfg, quantization=quantization)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def fill(tree: dict, wanted: dict) -> None:
+        for key, want in wanted.items():
+            if isinstance(want, dict) and "scale" in want:
+                tree[key]["kernel"], tree[key]["scale"] = quantize(tree[key]["kernel"], quantization)
+            elif isinstance(want, dict):
+                fill(tree[key], want)
+
+    fill(params, nnx.to_pure_dict(nnx.state(abstract_model(cfg, model.dtype), nnx.Param)))
+    return model_from_params(cfg, model.dtype, params)

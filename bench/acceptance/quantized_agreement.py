@@ -1,0 +1,85 @@
+"""How close an 8-bit target stays to its float original: along the float model's own greedy
+answers (teacher forcing), how often the quantized model picks the same next token, and the
+DFlash acceptance length with the quantized target against the float one.
+
+Each variant is the float target with its decoder-layer weights quantized
+(`dflash_jax.models.quantize_target`): int8 or fp8 (e4m3), one scale per output channel, or per
+output channel and block of 128 input rows ("int8/128"). The compute dtype is --dtype for all.
+
+    python -m bench.acceptance.quantized_agreement --prompts diverse --out J            # the demo's SmolLM2
+    python -m bench.acceptance.quantized_agreement --limit 1 --max-new-tokens 32 --out J  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import harness
+from bench.acceptance.prompt_sets import add_prompt_arguments, encoded_prompts, tau_per_category
+
+
+def main(argv=None) -> None:
+    from dflash_jax.demo import DEFAULT_DRAFTER
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_prompt_arguments(parser, "diverse")
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--variants", default="int8,fp8,int8/128,fp8/128",
+                        help="comma-separated WEIGHTS[/BLOCK_IN] (weights int8 or fp8)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="the verified block (the drafter's 16)")
+    harness.add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    import dflash_jax
+    from dflash_jax.models import quantize_target
+    from dflash_jax.quantization import WeightQuantization
+
+    record = harness.Record(__spec__.name, args, argv)
+    target_dir, tokenizer, prompts, categories = encoded_prompts(args, parser)
+    float_target = dflash_jax.load_target(target_dir, dtype=args.dtype)
+    drafter = dflash_jax.load_drafter(args.drafter, dtype=args.dtype)
+    stops = sorted(tokenizer.stop_token_ids)
+    answers = dflash_jax.generate_autoregressive(float_target, prompts, max_new_tokens=args.max_new_tokens,
+                                                 stop_token_ids=stops).token_ids
+    results = {"prompts": len(prompts), "tokens": int(sum(map(len, answers))), "variants": {}}
+    for name in ["float", *args.variants.split(",")]:
+        start = time.perf_counter()
+        weights, _, block = name.partition("/")
+        target = float_target if name == "float" else quantize_target(
+            float_target, WeightQuantization(weights, int(block) if block else None))
+        spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
+                                   block_size=args.block_size)
+        results["variants"][name] = {
+            "agreement": agreement(target, prompts, answers),
+            "tau": float(np.mean([a for lengths in spec.accepted_lengths for a in lengths])),
+            "tau_per_category": tau_per_category(spec.accepted_lengths, categories),
+            "seconds": time.perf_counter() - start,
+        }
+        print(f"{name:9s} " + json.dumps({k: v for k, v in results["variants"][name].items()
+                                          if k != "tau_per_category"}), flush=True)
+        record.write(results)
+
+
+def agreement(target, prompts: list[list[int]], answers: list[list[int]]) -> float:
+    """The share of answer tokens that `target` also ranks first, given the answer before them."""
+    from dflash_jax.dense import target_forward
+    from pallas_kernels.common import next_pow2
+
+    same = []
+    for prompt, answer in zip(prompts, answers):
+        ids = prompt + answer
+        padded = np.zeros(next_pow2(len(ids)), np.int32)  # causal: padding after a position does not change it
+        padded[: len(ids)] = ids
+        logits = np.asarray(target_forward(target, padded)[0][len(prompt) - 1 : len(ids) - 1])
+        same.append(logits.argmax(-1) == np.asarray(answer))
+    return float(np.mean(np.concatenate(same)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# 8-bit targets against bf16 in one device call: bench.decode.speed at the Qwen3-8B shape with
+# the target's decoder-layer weights in bf16, int8 and fp8 (weight-only, per output channel).
+#
+#   OUT=... bash bench/plans/quantized.sh COMMIT        # POINTS (default 1x1k), BLOCKS (16),
+#                                                        # SECTIONS (generate,steps), VARIANTS
+#   OUT=/tmp/q SMALL=1 bash bench/plans/quantized.sh HEAD   # CPU smoke test
+source "$(dirname "$0")/common.sh"
+for variant in ${VARIANTS:-bf16 int8 fp8}; do
+    quantize=()
+    [ "$variant" != bf16 ] && quantize=(--quantize "$variant")
+    decode "q-${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
+        --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${quantize[@]}"
+done
+python3 -m bench.decode.summary "$out"

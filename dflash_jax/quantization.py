@@ -1,0 +1,170 @@
+"""8-bit weights: what a quantized checkpoint says (`WeightQuantization`), quantizing float
+weights, and the linear layer that keeps its weights 8-bit on the device.
+
+Only the weights are quantized: a product converts its 8-bit values to the activations' dtype
+(exactly), multiplies, and scales the float32 result (`quantized_product`). So every row of a
+product is computed alike whatever the rows beside it, and a verify block stays exactly what
+single steps compute; activations are never quantized (per block they would not be).
+
+A weight `[in, out]` holds 8-bit values with one float32 scale per output column and block of
+`block_in` input rows (`block_in` None: one block, a scale per output column). Published block
+layouts (Qwen's FP8: 128 x 128 blocks) are read into it with each output block's scale
+repeated over its columns, so the fused matrices (`qkv_proj`, `gate_up_proj`) and their
+per-shard column orders treat scales as columns too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# name -> (stored dtype, its largest magnitude)
+WEIGHT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+QUANTIZE_CHOICES = tuple(WEIGHT_DTYPES)
+OWN_METHOD = "dflash_jax"  # quantization_config["quant_method"] of `convert --quantize` output
+
+
+class QuantizationError(ValueError):
+    """A quantization_config this project cannot read, or a bad --quantize request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantization:
+    weights: str  # a WEIGHT_DTYPES key
+    block_in: int | None = None  # input rows per scale; None: all of them
+    # How a HF checkpoint stores the scales: the tensor beside each `weight` (None: this
+    # project's own, orbax only) and the output columns that share one stored scale.
+    hf_scale: str | None = None
+    block_out: int = 1
+
+    @property
+    def dtype(self):
+        return WEIGHT_DTYPES[self.weights][0]
+
+    def scale_rows(self, in_features: int) -> int:
+        return 1 if self.block_in is None else math.ceil(in_features / self.block_in)
+
+    def to_config(self) -> dict[str, Any]:
+        """The quantization_config written by `convert --quantize` (read back by `parse_quantization`)."""
+        return {"quant_method": OWN_METHOD, "weights": self.weights, "block_in": self.block_in}
+
+
+def parse_quantization(raw: dict[str, Any] | None) -> WeightQuantization | None:
+    """The weights' quantization from a config.json's `quantization_config` (None: float
+    weights): Qwen-style block FP8 (`quant_method: fp8`), compressed-tensors FP8 with per-channel
+    or per-tensor weight scales, and this project's own."""
+    if raw is None:
+        return None
+    method = raw.get("quant_method")
+    if method == OWN_METHOD:
+        weights, block = raw.get("weights"), raw.get("block_in")
+        if weights not in WEIGHT_DTYPES or not (block is None or (isinstance(block, int) and block > 0)):
+            raise QuantizationError(f"quantization_config {raw} is malformed; convert the float checkpoint again.")
+        return WeightQuantization(weights, block)
+    if method == "fp8":
+        if raw.get("fmt", "e4m3") != "e4m3":
+            raise QuantizationError(f"fp8 format {raw.get('fmt')!r} is not supported; only e4m3 is.")
+        block = raw.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise QuantizationError("an fp8 quantization_config without a [out, in] weight_block_size is not "
+                                    "supported; use a block-quantized (Qwen-style) FP8 checkpoint.")
+        return WeightQuantization("fp8", block[1], "weight_scale_inv", block[0])
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
+    raise QuantizationError(f"quantization method {method!r} is not supported; supported are Qwen-style fp8, "
+                            "compressed-tensors fp8, and float checkpoints (convert --quantize int8|fp8).")
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> WeightQuantization:
+    groups = list((raw.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if len(weights) != 1 or weights[0].get("num_bits") != 8 or weights[0].get("type") != "float":
+        raise QuantizationError("only compressed-tensors checkpoints with one group of 8-bit float weights "
+                                "(FP8) are supported.")
+    if weights[0].get("strategy") not in ("channel", "tensor"):
+        raise QuantizationError(f"compressed-tensors weight strategy {weights[0].get('strategy')!r} is not "
+                                "supported; per-channel and per-tensor FP8 are.")
+    return WeightQuantization("fp8", hf_scale="weight_scale")
+
+
+def hf_scales(stored, quantization: WeightQuantization, out_features: int) -> np.ndarray:
+    """A HF scale tensor ([ceil(out / block_out), rows], [out, 1], or one per-tensor value) as
+    float32 scales [rows, out]: each stored scale repeated over its block's output columns."""
+    stored = np.asarray(stored, np.float32)
+    if stored.size == 1:
+        return np.full((1, out_features), stored.reshape(()), np.float32)
+    return np.repeat(stored.reshape(stored.shape[0], -1), quantization.block_out, axis=0)[:out_features].T.copy()
+
+
+def hf_scale_shape(quantization: WeightQuantization, in_features: int, out_features: int) -> tuple[int, int]:
+    """The shape of a HF scale tensor beside a weight [out, in] (a per-tensor scale aside)."""
+    return math.ceil(out_features / quantization.block_out), quantization.scale_rows(in_features)
+
+
+def quantize(w_IO, quantization: WeightQuantization) -> tuple[jax.Array, jax.Array]:
+    """(8-bit values [I, O], float32 scales [rows, O]) of a float weight, each block of input
+    rows scaled so its largest magnitude per column is the 8-bit type's largest (round to
+    nearest); on the array's device."""
+    w = jnp.asarray(w_IO, jnp.float32)
+    rows, block = quantization.scale_rows(w.shape[0]), quantization.block_in or w.shape[0]
+    blocks = jnp.pad(w, ((0, rows * block - w.shape[0]), (0, 0))).reshape(rows, block, w.shape[1])
+    dtype, largest = WEIGHT_DTYPES[quantization.weights]
+    scale = jnp.abs(blocks).max(axis=1) / largest
+    scale = jnp.where(scale > 0, scale, 1.0)
+    values = blocks / scale[:, None, :]
+    values = jnp.clip(jnp.round(values), -largest, largest) if quantization.weights == "int8" else values
+    return values.reshape(-1, w.shape[1])[: w.shape[0]].astype(dtype), scale
+
+
+def dequantize(values_IO, block_scales, block_in: int | None, dtype):
+    """The float weight [I, O] in `dtype` (for references and exports; products use `quantized_product`)."""
+    scale_IO = block_scales if block_in is None else jnp.repeat(block_scales, block_in, axis=0)[: values_IO.shape[0]]
+    return (values_IO.astype(jnp.float32) * scale_IO).astype(dtype)
+
+
+def quantized_product(x_TI, values_IO, block_scales, block_in: int | None, dot_general):
+    """x @ dequantize(values) in x's dtype, the scales applied to the product's float32 result:
+    the 8-bit values are only converted (exactly: int8 and e4m3 fit in bfloat16), a conversion
+    XLA fuses into the product's operand, so the weights are read as 8 bits. Blocks of input
+    rows are products of their own, summed after scaling."""
+    values = values_IO.astype(x_TI.dtype)
+    if block_in is None:
+        y = dot_general(x_TI, values, (((x_TI.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * block_scales[0]).astype(x_TI.dtype)
+    rows, (*lead, width) = block_scales.shape[0], x_TI.shape
+    pad = rows * block_in - width
+    x_TRB = jnp.pad(x_TI.reshape(-1, width), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
+    values_RBO = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
+    y_RTO = dot_general(x_TRB, values_RBO, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    y_TO = (y_RTO * block_scales[:, None, :]).sum(axis=0)
+    return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
+
+
+class QuantizedLinear(nnx.Module):
+    """`nnx.Linear`'s product over an 8-bit kernel [in, out] and float32 scales [rows, out]."""
+
+    def __init__(self, in_features: int, out_features: int, quantization: WeightQuantization, *,
+                 axes: tuple[str | None, str | None], use_bias: bool, dtype, dot_general):
+        def param(shape, param_dtype, param_axes):
+            return nnx.Param(jnp.zeros(shape, param_dtype), out_sharding=param_axes, eager_sharding=False)
+
+        self.dtype, self.dot_general, self.block_in = dtype, dot_general, quantization.block_in
+        self.kernel = param((in_features, out_features), quantization.dtype, axes)
+        self.scale = param((quantization.scale_rows(in_features), out_features), jnp.float32, (None, axes[1]))
+        self.bias = param((out_features,), dtype, (axes[1],)) if use_bias else None
+
+    def __call__(self, x):
+        y = quantized_product(x, self.kernel[...], self.scale[...], self.block_in, self.dot_general)
+        return y if self.bias is None else y + self.bias[...]
+
+
+def is_quantized_leaf(path: tuple, value) -> bool:
+    """A quantized layer's 8-bit values or float32 scales, kept in their dtypes when the
+    other parameters are cast."""
+    return bool(path) and (str(path[-1]) == "scale" or np.dtype(value.dtype).itemsize == 1)

@@ -1,0 +1,203 @@
+"""8-bit weights: quantizing, reading published FP8 layouts, `convert --quantize`, and
+exactness: a quantized target computes what a float target holding its dequantized weights
+computes, stays 8-bit on disk, and greedy DFlash on it equals its own greedy autoregressive
+decoding."""
+
+import copy
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import save_file
+
+import dflash_jax
+from conftest import drafter_config_dict, make_zlab_drafter, rel_err, save_hf
+from dflash_jax.config import ConfigError
+from dflash_jax.formats.export_hf import export_hf
+from dflash_jax.formats.hf_reader import ConversionError
+from dflash_jax.formats.hf_to_nnx import convert_checkpoint
+from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.models import model_from_params
+from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequantize, parse_quantization,
+                                     quantize)
+from test_generate import PROMPTS, biased_target
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IDS = np.random.default_rng(0).integers(0, 96, 40)
+
+
+@pytest.fixture(scope="module")
+def float_pair(tmp_path_factory):
+    """(the float HF target, its folder, a drafter for it)."""
+    tmp = tmp_path_factory.mktemp("quantization")
+    hf = biased_target(seed=4)
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
+    return hf, save_hf(hf, tmp / "float"), drafter
+
+
+def logits_of(target):
+    return np.asarray(dflash_jax.target_forward(target, IDS)[0])
+
+
+def dequantized(target):
+    """A float target whose products hold `target`'s 8-bit weights dequantized (the reference)."""
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
+
+    def walk(tree):
+        for key, value in tree.items():
+            if isinstance(value, dict) and "scale" in value:
+                value["kernel"] = np.asarray(dequantize(value.pop("kernel"), value.pop("scale"),
+                                                        target.cfg.quantization.block_in, np.float32))
+            elif isinstance(value, dict):
+                walk(value)
+
+    walk(params)
+    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "quantization": None})
+    return model_from_params(cfg, target.dtype, params)
+
+
+def stored_dtypes(folder) -> set[str]:
+    """The dtypes of the decoder layers' kernels in a converted folder, as orbax wrote them."""
+    params = ocp.StandardCheckpointer().restore((folder / "params").absolute())
+    return {str(np.dtype(layer[part][proj]["kernel"].dtype)) for layer in params["layers"].values()
+            for part, proj in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                               ("mlp", "down_proj"))}
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+@pytest.mark.parametrize("block_in", [None, 24])
+def test_quantized_weights_are_within_half_a_step_of_the_float_ones(weights, block_in):
+    w = np.random.default_rng(1).normal(size=(64, 40)).astype(np.float32) * np.linspace(0.1, 3, 40)
+    w[:, 7] = 0  # a zero column keeps a finite scale
+    values, scale = quantize(w, WeightQuantization(weights, block_in))
+    assert values.dtype == WeightQuantization(weights).dtype and scale.shape == ((1 if block_in is None else 3), 40)
+    error = np.abs(np.asarray(dequantize(values, scale, block_in, np.float32)) - w)
+    rows = np.repeat(scale, block_in or 64, axis=0)[:64]
+    bound = 0.5 * rows if weights == "int8" else np.abs(w) / 16 + rows * 2.0 ** -9  # e4m3: 3 mantissa bits
+    assert np.all(error <= bound * (1 + 1e-6)) and np.all(error[:, 7] == 0)
+
+
+def test_quantization_configs_are_read_or_refused_with_the_reason():
+    assert parse_quantization(None) is None
+    qwen = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
+    assert parse_quantization(qwen) == WeightQuantization("fp8", 64, "weight_scale_inv", 128)
+    channel = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
+    assert parse_quantization(channel) == WeightQuantization("fp8", None, "weight_scale")
+    own = WeightQuantization("int8", 32)
+    assert parse_quantization(own.to_config()) == own
+    for raw, message in [({"quant_method": "awq"}, "'awq' is not supported"),
+                         ({"quant_method": "fp8"}, "weight_block_size"),
+                         ({**qwen, "fmt": "e5m2"}, "only e4m3"),
+                         ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+                             "num_bits": 4, "type": "int", "strategy": "group"}}}}, "8-bit float weights")]:
+        with pytest.raises(QuantizationError, match=message):
+            parse_quantization(raw)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tmp_path, weights):
+    hf, float_dir, drafter = float_pair
+    convert_checkpoint(float_dir, tmp_path / "q", quantize=weights)
+    assert stored_dtypes(tmp_path / "q") == {"int8" if weights == "int8" else "float8_e4m3fn"}
+    target = dflash_jax.load_target(tmp_path / "q")
+    assert target.cfg.quantization == WeightQuantization(weights)
+    logits = logits_of(target)
+    assert rel_err(logits, logits_of(dequantized(target))) <= 1e-5
+    with torch.no_grad():
+        float_logits = hf(torch.tensor(IDS)[None]).logits[0].numpy()
+    assert rel_err(logits, float_logits) <= (0.02 if weights == "int8" else 0.1)
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=16)
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4)
+    assert spec.token_ids == ar.token_ids
+    assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)  # drafts were accepted, some not
+    if weights == "int8":
+        engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
+        ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=16)) for p in PROMPTS]
+        while engine.has_unfinished():
+            engine.step()
+        assert [engine.output(i) for i in ids] == ar.token_ids
+        with pytest.raises(ValueError, match="export writes float HF checkpoints only"):
+            export_hf(target, tmp_path / "exported")
+
+
+def fp8_blocks(w_OI: np.ndarray, block_out: int, block_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 values [O, I], float32 scales [ceil(O / block_out), ceil(I / block_in)]): each
+    block scaled to e4m3's largest magnitude, as published FP8 checkpoints are."""
+    out, inp = w_OI.shape
+    scale = np.ones((-(-out // block_out), -(-inp // block_in)), np.float32)
+    for a in range(scale.shape[0]):
+        for b in range(scale.shape[1]):
+            largest = np.abs(w_OI[a * block_out:(a + 1) * block_out, b * block_in:(b + 1) * block_in]).max()
+            scale[a, b] = largest / 448 if largest > 0 else 1
+    expanded = np.repeat(np.repeat(scale, block_out, 0)[:out], block_in, 1)[:, :inp]
+    return (w_OI / expanded).astype(WeightQuantization("fp8").dtype), scale
+
+
+def write_fp8_checkpoint(hf, folder, layout: str):
+    """`hf` saved as a published FP8 checkpoint (e4m3 weights for the decoder layers'
+    products, with Qwen's 16 x 24 block `weight_scale_inv` or compressed-tensors' per-channel
+    `weight_scale`); returns a copy of `hf` holding the dequantized weights (the reference)."""
+    state, dequantized_state = hf.state_dict(), {}
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    block_out, block_in = (16, 24) if layout == "qwen" else (1, hf.config.intermediate_size + hf.config.hidden_size)
+    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        w = state[name].numpy()
+        values, scale = fp8_blocks(w, block_out, min(block_in, w.shape[1]))
+        expanded = np.repeat(np.repeat(scale, block_out, 0)[:w.shape[0]], min(block_in, w.shape[1]), 1)[:, :w.shape[1]]
+        dequantized_state[name] = torch.from_numpy(values.astype(np.float32) * expanded)
+        tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
+        assert torch.equal(tensors[name].float(), torch.from_numpy(values.astype(np.float32)))
+        tensors[name.removesuffix("weight") + ("weight_scale_inv" if layout == "qwen" else "weight_scale")] = (
+            torch.from_numpy(scale))
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    config = hf.config.to_dict()
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block_out, block_in]}
+        if layout == "qwen" else
+        {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}})
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = copy.deepcopy(hf)
+    reference.load_state_dict({**state, **dequantized_state})
+    return reference
+
+
+@pytest.mark.parametrize("layout", ["qwen", "compressed-tensors"])
+def test_published_fp8_checkpoints_load_and_convert_as_8_bit(float_pair, tmp_path, layout):
+    hf, _, drafter = float_pair
+    reference = write_fp8_checkpoint(hf, tmp_path / "fp8", layout)
+    direct = dflash_jax.load_target(tmp_path / "fp8")
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "converted")
+    assert stored_dtypes(tmp_path / "converted") == {"float8_e4m3fn"}
+    converted = dflash_jax.load_target(tmp_path / "converted")
+    logits = logits_of(direct)
+    assert np.array_equal(logits, logits_of(converted))
+    with torch.no_grad():
+        assert rel_err(logits, reference(torch.tensor(IDS)[None]).logits[0].numpy()) <= 1e-5
+    ar = generate_autoregressive(converted, PROMPTS, max_new_tokens=12)
+    assert generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4).token_ids == ar.token_ids
+    with pytest.raises(ConversionError, match="8-bit already"):
+        convert_checkpoint(tmp_path / "fp8", tmp_path / "again", quantize="int8")
+    assert not (tmp_path / "again").exists()
+
+
+def test_what_cannot_be_quantized_is_refused(float_pair, tmp_path):
+    _, _, drafter = float_pair
+    config = drafter_config_dict({"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 6})
+    folder = tmp_path / "drafter"
+    save_hf(make_zlab_drafter(config, seed=1), folder, config)
+    with pytest.raises(ConversionError, match="--quantize applies to targets"):
+        convert_checkpoint(folder, tmp_path / "out", quantize="int8")
+    with pytest.raises(ConversionError, match="choose one of int8, fp8"):
+        convert_checkpoint(folder, tmp_path / "out", quantize="int4")
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match="quantized drafters are not supported"):
+        dflash_jax.load_drafter(folder)
+    assert not (tmp_path / "out").exists()
