@@ -184,6 +184,25 @@ def train() -> dict:
     return out
 
 
+def quantized() -> dict:
+    """Greedy tokens of the Qwen3 target with 8-bit weights (int8 per output channel; fp8 per
+    channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1."""
+    from dflash_jax.models import quantize_target
+    from dflash_jax.quantization import WeightQuantization
+
+    out = {}
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    float_target, drafter = models(cfg, 1)
+    for name, quantization in (("int8", WeightQuantization("int8")), ("fp8/16", WeightQuantization("fp8", 16))):
+        target = quantize_target(float_target, quantization)
+        params = jax.device_get(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
+        out[f"{name}/ar"] = generate_autoregressive(target, PROMPTS, max_new_tokens=10).token_ids
+        for tp in (1, 4):
+            placed = place_model(target.cfg, jnp.float32, params, make_mesh(tp, 1) if tp > 1 else None)
+            out[f"{name}/{tp}"] = generate(placed, models(cfg, tp)[1], PROMPTS, max_new_tokens=10).token_ids
+    return out
+
+
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
@@ -202,7 +221,7 @@ def cli(*argv: str) -> dict:
     return {"status": main(["generate", *argv])}
 
 
-CASES = {"greedy": greedy, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
+CASES = {"greedy": greedy, "quantized": quantized, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

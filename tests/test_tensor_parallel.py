@@ -46,6 +46,16 @@ def test_engine_and_seeded_sampling_equal_across_tensor_parallel_sizes():
     assert out["sampled/4"] == out["sampled/1"]
 
 
+@pytest.mark.slow
+def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
+    """Scales are sharded with their weights' columns (and reordered with them in the fused
+    matrices): a misplaced one changes the tokens."""
+    out = run_case("quantized")
+    for name in ("int8", "fp8/16"):
+        assert out[f"{name}/1"] == out[f"{name}/ar"]
+        assert out[f"{name}/4"] == out[f"{name}/1"], name
+
+
 def test_compiled_step_has_two_all_reduces_per_layer_and_no_weight_gather():
     """At TP 4 the target's step holds one all-reduce after attention and one after the MLP per
     layer, plus the embedding lookup's; its only gathers are the greedy argmax's per-shard
