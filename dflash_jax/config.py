@@ -363,6 +363,8 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             mlp_bias=cfg.mlp_bias,
             **common,
         )
+        if cfg.quantization is not None:
+            raw["quantization_config"] = cfg.quantization.to_config()
     else:
         raw = dict(architectures=["DFlashDraftModel"], model_type="qwen3", **common)
         raw["dflash_config"] = dict(

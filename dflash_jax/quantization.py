@@ -30,6 +30,9 @@ QUANTIZE_CHOICES = tuple(WEIGHT_DTYPES)
 OWN_METHOD = "dflash_jax"  # quantization_config["quant_method"] of `convert --quantize` output
 
 
+GGUF_Q8_0_METHOD = "gguf_q8_0"  # quantization_config["quant_method"] of GGUF files whose projections are Q8_0
+
+
 class QuantizationError(ValueError):
     """A quantization_config this project cannot read, or a bad --quantize request."""
 
@@ -51,8 +54,19 @@ class WeightQuantization:
         return 1 if self.block_in is None else math.ceil(in_features / self.block_in)
 
     def to_config(self) -> dict[str, Any]:
-        """The quantization_config written by `convert --quantize` (read back by `parse_quantization`)."""
+        """The quantization_config that `parse_quantization` reads back as this."""
+        if self.hf_scale == "weight_scale_inv":
+            return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [self.block_out, self.block_in]}
+        if self.hf_scale == "weight_scale":
+            weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+            return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights}}}
+        if self.hf_scale == "q8_0_scale":
+            return {"quant_method": GGUF_Q8_0_METHOD}
         return {"quant_method": OWN_METHOD, "weights": self.weights, "block_in": self.block_in}
+
+
+# llama.cpp's Q8_0: int8 values, a scale per block of 32 input columns (the reader names it).
+GGUF_Q8_0 = WeightQuantization("int8", 32, "q8_0_scale", 1)
 
 
 def parse_quantization(raw: dict[str, Any] | None) -> WeightQuantization | None:
@@ -77,6 +91,8 @@ def parse_quantization(raw: dict[str, Any] | None) -> WeightQuantization | None:
         return WeightQuantization("fp8", block[1], "weight_scale_inv", block[0])
     if method == "compressed-tensors":
         return _compressed_tensors(raw)
+    if method == GGUF_Q8_0_METHOD:
+        return GGUF_Q8_0
     raise QuantizationError(f"quantization method {method!r} is not supported; supported are Qwen-style fp8, "
                             "compressed-tensors fp8, and float checkpoints (convert --quantize int8|fp8).")
 

@@ -55,7 +55,8 @@ def llama_cpp_permute(w, num_heads):
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokenizer_model="gpt2", seed=0):
+def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokenizer_model="gpt2", seed=0,
+                     qtypes=QTYPES):
     """A tiny random Llama GGUF laid out like llama.cpp writes one; returns its path."""
     rng = np.random.default_rng(seed)
     tokens = tiny_vocab()
@@ -97,7 +98,7 @@ def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokeniz
     for name, array in tensors.items():
         if name in drop:
             continue
-        qtype = QTYPES.get(name.split(".")[-2], Q.F32)
+        qtype = qtypes.get(name.split(".")[-2], Q.F32)
         writer.add_tensor(name, gguf.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -126,6 +127,22 @@ def test_tiny_gguf_logits_match_transformers(tmp_path, tied):
     assert rel_err(logits, ref) <= 1e-4
     direct, _ = dflash_jax.target_forward(dflash_jax.load_target(path), ids)  # .gguf loaded on the fly
     np.testing.assert_array_equal(np.asarray(direct), np.asarray(logits))
+
+
+def test_q8_0_projections_stay_8_bit(tmp_path):
+    """A file whose every decoder-layer projection is Q8_0 (a "Q8_0" file) converts to int8
+    weights with its per-32 scales: the same logits as transformers' dequantized load."""
+    from test_quantization import stored_dtypes
+
+    path = write_llama_gguf(tmp_path / "q8.gguf", qtypes={**QTYPES, **{k: Q.Q8_0 for k in QTYPES}})
+    assert run_cli(path, tmp_path / "out") == 0
+    assert stored_dtypes(tmp_path / "out") == {"int8"}
+    target = dflash_jax.load_target(tmp_path / "out")
+    assert target.cfg.quantization.block_in == 32
+    ids = np.random.default_rng(2).integers(0, target.cfg.vocab_size, size=40)
+    with torch.no_grad():
+        ref = transformers_from_gguf(path)(torch.tensor(ids)[None]).logits[0]
+    assert rel_err(dflash_jax.target_forward(target, ids)[0], ref) <= 1e-4
 
 
 def test_conversion_needs_no_torch(tmp_path):

@@ -18,6 +18,7 @@ import numpy as np
 from dflash_jax.config import RopeConfig, TargetConfig, to_hf_config
 from dflash_jax.formats.hf_reader import ConversionError, TensorSource
 from dflash_jax.formats.weight_map import WeightRule, target_rules
+from dflash_jax.quantization import GGUF_Q8_0
 
 # llama.cpp tensor names -> HF names: whole-model tensors, then per-block ones (`blk.N.`).
 MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -32,6 +33,8 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+Q8_0, Q8_0_BLOCK = 8, 32  # GGMLQuantizationType.Q8_0, and its block of input columns
 _HF_TO_GGUF = {hf: gguf for gguf, hf in MODEL_TENSORS.items()}
 _HF_BLOCK_TO_GGUF = {hf: gguf for gguf, hf in BLOCK_TENSORS.items()}
 
@@ -80,26 +83,48 @@ def _gguf_reader(path: Path, size: int, mtime_ns: int):
 
 
 def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
-    """(HF config.json dict, tensors by GGUF name in HF layout: float32, q/k rows un-permuted)."""
+    """(HF config.json dict, tensors by GGUF name in HF layout, q/k rows un-permuted).
+
+    Tensors come dequantized to float32, except where every decoder-layer projection is Q8_0:
+    those stay 8-bit (int8 values, and their per-32 scales as `<name>.q8_0_scale` [out, in / 32],
+    a name the file does not have), with the config saying so (`GGUF_Q8_0`)."""
     reader = open_gguf_reader(path)
     metadata = gguf_metadata(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name)
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    projections = [f"blk.{i}.{kind}.weight" for i in range(cfg.num_layers) for kind in PROJECTIONS]
+    eight_bit = all(tensors[name].tensor_type == Q8_0 for name in projections if name in tensors)
+    scales = {name.removesuffix("weight") + GGUF_Q8_0.hf_scale: name for name in projections} if eight_bit else {}
 
     def get(name: str) -> np.ndarray:
         from gguf import dequantize
 
-        tensor = tensors[name]
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as err:
-            raise ConversionError(f"cannot dequantize {name!r} ({tensor.tensor_type.name}): {err}") from err
+        tensor = tensors[scales.get(name, name)]
+        if eight_bit and tensor.name in projections:
+            array = q8_0_parts(tensor.data)[name in scales]
+        else:
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError as err:
+                raise ConversionError(f"cannot dequantize {name!r} ({tensor.tensor_type.name}): {err}") from err
         kind = name.split(".")[2] if name.startswith("blk.") else None
         return unpermute_rows(array, heads[kind]) if kind in heads else array
 
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    shapes.update({scale: (shapes[weight][0], shapes[weight][1] // Q8_0_BLOCK) for scale, weight in scales.items()
+                   if weight in shapes})
+    if eight_bit:
+        cfg = dataclasses.replace(cfg, quantization=GGUF_Q8_0)
     return to_hf_config(cfg), TensorSource(shapes, get)
+
+
+def q8_0_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values [out, in], float32 scales [out, in / 32]) of a Q8_0 tensor's raw rows: each
+    block of 32 is a float16 scale, then 32 int8 values."""
+    blocks = data.reshape(data.shape[0], -1, 2 + Q8_0_BLOCK)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return blocks[..., 2:].copy().view(np.int8).reshape(data.shape[0], -1), scales
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -111,8 +111,8 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     xp = jnp if mesh is None else np  # on a mesh: host arrays, then shards
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
-        array = _float_tensor(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name)))
         abstract = get_path(abstract_params, rule.path)  # its dtype: `dtype`, or 8-bit values and float32 scales
+        array = _stored_as(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name)), abstract.dtype)
         if rule.scales:
             array = hf_scales(array, cfg.quantization, rule.part_shape(abstract.shape)[-1])
         array = xp.asarray(array)
@@ -148,6 +148,17 @@ def _float_tensor(name: str, array):
     damaged file, and casting it would silently give a broken model."""
     if not jnp.issubdtype(array.dtype, jnp.floating):
         raise ConversionError(_not_float(name, array.dtype))
+    return array
+
+
+def _stored_as(name: str, array, dtype):
+    """`array`, checked against the parameter's dtype: int8 values must be stored as int8 (a
+    GGUF file's Q8_0 rows), every other parameter as a float."""
+    if jnp.dtype(dtype) != jnp.int8:
+        return _float_tensor(name, array)
+    if array.dtype != np.int8:
+        raise ConversionError(f"tensor {name!r} is {array.dtype}, not the int8 values its config describes; the "
+                              "checkpoint is damaged.")
     return array
 
 
