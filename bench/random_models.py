@@ -69,14 +69,14 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
     """The random target and drafter of MODELS[model], placed on `mesh` if one is given (one at
     a time: the first device holds a whole one-device model only while it is placed);
     `quantize` ("int8", "fp8") stores the target's decoder-layer weights in 8 bits."""
-    from dflash_jax.models import quantize_target
+    from dflash_jax.models import quantize_model
     from dflash_jax.placement import shard_model
     from dflash_jax.quantization import WeightQuantization
 
     shapes = MODELS[model]
     target = random_model(shapes.target, seed, dtype)
     if quantize is not None:
-        target = quantize_target(target, WeightQuantization(quantize))
+        target = quantize_model(target, WeightQuantization(quantize))
         gc.collect()
     target = shard_model(target, mesh)
     gc.collect()

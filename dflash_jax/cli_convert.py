@@ -25,8 +25,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="dtype of the activations and of the float parameters (default: as stored)")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES,
-                        help="store a float target's decoder-layer weights in 8 bits (weight-only, one scale per "
-                        "output channel): int8, or fp8 (e4m3); FP8 checkpoints stay 8-bit without it")
+                        help="store the weights of a float model's products (a target's decoder layers, a drafter's "
+                        "fc and layers) in 8 bits, weight-only, one scale per output channel: int8, or fp8 (e4m3); "
+                        "FP8 and Q8_0 checkpoints stay 8-bit without it")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.set_defaults(run=run, writes_files=True)
 

@@ -84,6 +84,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    quantization: WeightQuantization | None = None  # 8-bit fc and layer weights (`convert --quantize`)
 
     @property
     def kind(self) -> str:
@@ -177,9 +178,10 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         raise ConfigError(
             f"unsupported drafter architecture {architecture!r}; expected DFlashDraftModel."
         )
-    if raw.get("quantization_config"):
-        raise ConfigError("quantized drafters are not supported; give the drafter's float checkpoint (the drafter "
-                          "is a small share of a step's bytes).")
+    quantization = _quantization(raw)
+    if quantization is not None and quantization.hf_scale is not None:
+        raise ConfigError("published quantized drafters are not supported; give the drafter's float checkpoint "
+                          "(`convert --quantize` makes an 8-bit one).")
     dflash = raw.get("dflash_config") or {}
 
     def field(name: str, default: Any = None) -> Any:
@@ -234,6 +236,7 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         input_embedding_scale=float(field("input_embedding_scale", 1.0)),
         output_multiplier=float(field("output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+        quantization=quantization,
     )
 
 
@@ -376,6 +379,8 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             output_multiplier=cfg.output_multiplier,
             final_logit_softcapping=cfg.final_logit_softcapping,
         )
+        if cfg.quantization is not None:
+            raw["quantization_config"] = cfg.quantization.to_config()
         # z-lab's loader reads num_target_layers even when the ids are explicit.
         raw["num_target_layers"] = cfg.num_target_layers or max(cfg.target_layer_ids) + 1
         raw["layer_types"] = [

@@ -222,12 +222,17 @@ class Attention(nnx.Module):
 
     def kv_weights(self):
         """The key and value columns of `qkv_proj` per shard: (kernel [D, shards, 2K/shards, H],
-        bias [shards, 2K/shards, H] or None), each shard's keys before its values."""
+        its scales [rows, shards, 2K/shards, H] if it is 8-bit else None, bias [shards,
+        2K/shards, H] or None), each shard's keys before its values."""
         cfg, g = self.cfg, self.shards
         local_q = cfg.num_heads // g
-        kernel = self.qkv_proj.kernel[...].reshape(cfg.hidden_size, g, -1, cfg.head_dim)[:, :, local_q:]
-        bias = self.qkv_proj.bias[...].reshape(g, -1, cfg.head_dim)[:, local_q:] if cfg.attention_bias else None
-        return kernel, bias
+
+        def kv_columns(param):  # [..., (U + 2K) * H] -> [..., shards, 2K/shards, H]
+            return param[...].reshape(*param.shape[:-1], g, -1, cfg.head_dim)[..., local_q:, :]
+
+        scale = kv_columns(self.qkv_proj.scale) if isinstance(self.qkv_proj, QuantizedLinear) else None
+        bias = kv_columns(self.qkv_proj.bias) if cfg.attention_bias else None
+        return kv_columns(self.qkv_proj.kernel), scale, bias
 
     def project(self, x_TD, positions_T) -> ProjectedHeads:
         """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""

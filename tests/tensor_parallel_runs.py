@@ -187,14 +187,14 @@ def train() -> dict:
 def quantized() -> dict:
     """Greedy tokens of the Qwen3 target with 8-bit weights (int8 per output channel; fp8 per
     channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1."""
-    from dflash_jax.models import quantize_target
+    from dflash_jax.models import quantize_model
     from dflash_jax.quantization import WeightQuantization
 
     out = {}
     cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
     float_target, drafter = models(cfg, 1)
     for name, quantization in (("int8", WeightQuantization("int8")), ("fp8/16", WeightQuantization("fp8", 16))):
-        target = quantize_target(float_target, quantization)
+        target = quantize_model(float_target, quantization)
         params = jax.device_get(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
         out[f"{name}/ar"] = generate_autoregressive(target, PROMPTS, max_new_tokens=10).token_ids
         for tp in (1, 4):

@@ -188,16 +188,36 @@ def test_published_fp8_checkpoints_load_and_convert_as_8_bit(float_pair, tmp_pat
     assert not (tmp_path / "again").exists()
 
 
+def test_8_bit_drafters_draft_what_their_dequantized_weights_draft(float_pair, tmp_path):
+    """`convert --quantize` on a drafter: fc and layer weights 8-bit (context K/V from the
+    stacked 8-bit columns), drafting as a float drafter holding the dequantized weights does."""
+    hf, float_dir, _ = float_pair
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
+    save_hf(make_zlab_drafter(config, seed=5), tmp_path / "drafter", config)
+    convert_checkpoint(tmp_path / "drafter", tmp_path / "q", quantize="int8")
+    drafter = dflash_jax.load_drafter(tmp_path / "q")
+    assert drafter.cfg.quantization == WeightQuantization("int8")
+    assert stored_dtypes(tmp_path / "q") == {"int8"}
+    features = np.random.default_rng(3).normal(size=(9, drafter.cfg.fc_in_features)).astype(np.float32)
+    positions = np.arange(9)
+    for (k, v), (k_ref, v_ref) in zip(drafter.context_kv(features, positions),
+                                      dequantized(drafter).context_kv(features, positions)):
+        assert rel_err(k, k_ref) <= 1e-5 and rel_err(v, v_ref) <= 1e-5
+    target = dflash_jax.load_target(float_dir)
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4)
+    reference = generate(target, dequantized(drafter), PROMPTS, max_new_tokens=16, block_size=4)
+    assert spec.token_ids == reference.token_ids == generate_autoregressive(target, PROMPTS, max_new_tokens=16).token_ids
+    assert spec.accepted_lengths == reference.accepted_lengths
+
+
 def test_what_cannot_be_quantized_is_refused(float_pair, tmp_path):
-    _, _, drafter = float_pair
     config = drafter_config_dict({"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 6})
     folder = tmp_path / "drafter"
     save_hf(make_zlab_drafter(config, seed=1), folder, config)
-    with pytest.raises(ConversionError, match="--quantize applies to targets"):
-        convert_checkpoint(folder, tmp_path / "out", quantize="int8")
     with pytest.raises(ConversionError, match="choose one of int8, fp8"):
         convert_checkpoint(folder, tmp_path / "out", quantize="int4")
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(ConfigError, match="quantized drafters are not supported"):
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": fp8}))
+    with pytest.raises(ConfigError, match="published quantized drafters are not supported"):
         dflash_jax.load_drafter(folder)
     assert not (tmp_path / "out").exists()

@@ -3,7 +3,7 @@ answers (teacher forcing), how often the quantized model picks the same next tok
 DFlash acceptance length with the quantized target against the float one.
 
 Each variant is the float target with its decoder-layer weights quantized
-(`dflash_jax.models.quantize_target`): int8 or fp8 (e4m3), one scale per output channel, or per
+(`dflash_jax.models.quantize_model`): int8 or fp8 (e4m3), one scale per output channel, or per
 output channel and block of 128 input rows ("int8/128"). The compute dtype is --dtype for all.
 
     python -m bench.acceptance.quantized_agreement --prompts diverse --out J            # the demo's SmolLM2
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     import dflash_jax
-    from dflash_jax.models import quantize_target
+    from dflash_jax.models import quantize_model
     from dflash_jax.quantization import WeightQuantization
 
     record = harness.Record(__spec__.name, args, argv)
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     for name in ["float", *args.variants.split(",")]:
         start = time.perf_counter()
         weights, _, block = name.partition("/")
-        target = float_target if name == "float" else quantize_target(
+        target = float_target if name == "float" else quantize_model(
             float_target, WeightQuantization(weights, int(block) if block else None))
         spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
                                    block_size=args.block_size)

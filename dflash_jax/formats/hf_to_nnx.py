@@ -28,7 +28,7 @@ from dflash_jax.formats.gguf_reader import gguf_target_rules, is_gguf_file, open
 from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
 from dflash_jax.formats.hf_reader import ConversionError, open_checkpoint
 from dflash_jax.formats.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
-from dflash_jax.models import abstract_model, model_from_params, quantize_target
+from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape, hf_scales
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
@@ -60,8 +60,8 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         raw_config = read_config_json(hf_dir)
         cfg = parse_config(raw_config)
         if getattr(cfg, "quantization", None) is not None and cfg.quantization.hf_scale is None:
-            raise ConversionError(f"{hf_dir}'s config.json names dflash-jax's own quantization, which only converted "
-                                  "(orbax) folders hold; give the converted folder, or a float or FP8 HF checkpoint.")
+            raise ConversionError(f"{hf_dir} was written by `convert --quantize`: it is converted already and loads "
+                                  "as it is; to convert again, start from the float HF checkpoint.")
         source = open_checkpoint(hf_dir)
     shapes = dict(source.shapes)
     aliases = {}
@@ -179,7 +179,7 @@ def convert_checkpoint(
     quantize: str | None = None,
 ) -> tuple[TargetConfig | DrafterConfig, jnp.dtype]:
     """Convert `hf_dir` (folder or .gguf file) into an orbax folder at `out_dir`; `quantize`
-    ("int8" or "fp8") stores a float target's decoder-layer weights in 8 bits.
+    ("int8" or "fp8") stores a float model's product weights in 8 bits.
 
     Returns (config, dtype written). A GGUF file's tokenizer is rebuilt from its metadata
     first, so an unsupported tokenizer stops the conversion before any weight is read.
@@ -206,13 +206,10 @@ def convert_checkpoint(
 
 
 def _quantized(raw_config: dict, model, quantization: WeightQuantization):
-    """(config.json naming the quantization, the model with 8-bit decoder-layer weights)."""
-    if isinstance(model.cfg, DrafterConfig):
-        raise ConversionError("--quantize applies to targets; a drafter is a small share of a step's bytes and "
-                              "stays in float (convert it without --quantize).")
+    """(config.json naming the quantization, the model with 8-bit weights in its products)."""
     if model.cfg.quantization is not None:
         raise ConversionError("this checkpoint's weights are 8-bit already and stay so; convert it without --quantize.")
-    return {**raw_config, "quantization_config": quantization.to_config()}, quantize_target(model, quantization)
+    return {**raw_config, "quantization_config": quantization.to_config()}, quantize_model(model, quantization)
 
 
 def _resolve_fc_width(cfg: DrafterConfig, raw_config: dict, shapes: dict):

@@ -26,13 +26,14 @@ def model_from_params(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
     return nnx.merge(graphdef, state)
 
 
-def quantize_target(model: Target, quantization: WeightQuantization) -> Target:
-    """`model` (float weights, one device) with its decoder layers' products in 8 bits: each
-    layer the quantized config makes a `QuantizedLinear` gets its float kernel quantized."""
+def quantize_model(model: Target | Drafter, quantization: WeightQuantization) -> Target | Drafter:
+    """`model` (float weights, one device) with its products in 8 bits (a target's decoder
+    layers; a drafter's fc and layers): each layer the quantized config makes a
+    `QuantizedLinear` gets its float kernel quantized."""
     if model.cfg.quantization is not None:
-        raise ValueError("this target's weights are 8-bit already; quantize its float original instead.")
+        raise ValueError("this model's weights are 8-bit already; quantize its float original instead.")
     if model.mesh is not None:
-        raise ValueError("quantize a target loaded without a mesh, then place it on the mesh.")
+        raise ValueError("quantize a model loaded without a mesh, then place it on the mesh.")
     cfg = dataclasses.replace(model.cfg, quantization=quantization)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 

@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
+from dflash_jax.quantization import quantized_product
 from dflash_jax.sharding import replicated
 
 
@@ -26,7 +27,8 @@ class Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.mesh = None  # the jax.sharding.Mesh the parameters are placed on (`sharding.place_model`)
-        self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs,
+                         quantization=cfg.quantization)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.layers = nnx.List([
             DecoderLayer(cfg, qk_norm=True, mlp_bias=False, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)
@@ -35,7 +37,7 @@ class Drafter(nnx.Module):
 
     @property
     def dtype(self):
-        return self.fc.kernel[...].dtype
+        return self.norm.weight[...].dtype
 
     def context_kv(self, features_LF, positions_L):
         """Context K/V of every layer from target features: one GEMM against stacked weights.
@@ -52,10 +54,16 @@ class Drafter(nnx.Module):
         weights = [layer.self_attn.kv_weights() for layer in self.layers]
         shards = self.layers[0].self_attn.shards
         # [D, shards, layers, 2K/shards, H]: each shard's columns of every layer side by side
-        stacked = jnp.stack([kernel for kernel, _ in weights], axis=2)
-        kv = dot_general(ctx_LD, stacked.reshape(cfg.hidden_size, -1), (((1,), (0,)), ((), ())))
+        # (8-bit values, and their scales stacked alike, where the drafter is quantized)
+        stacked = jnp.stack([kernel for kernel, _, _ in weights], axis=2).reshape(cfg.hidden_size, -1)
+        if cfg.quantization is None:
+            kv = dot_general(ctx_LD, stacked, (((1,), (0,)), ((), ())))
+        else:
+            scales = jnp.stack([scale for _, scale, _ in weights], axis=2)
+            kv = quantized_product(ctx_LD, stacked, scales.reshape(scales.shape[0], -1), cfg.quantization.block_in,
+                                   dot_general)
         if cfg.attention_bias:
-            kv = kv + jnp.stack([bias for _, bias in weights], axis=1).reshape(-1)
+            kv = kv + jnp.stack([bias for _, _, bias in weights], axis=1).reshape(-1)
         # [L, shards, layers, 2, K/shards, H]; no -1 in the shape: L is 0 before there is any context.
         kv = kv.reshape(ctx_LD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
         kv_heads = [jnp.swapaxes(kv[:, :, :, i], 1, 2).reshape(ctx_LD.shape[0], cfg.num_layers,

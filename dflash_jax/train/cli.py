@@ -208,6 +208,9 @@ def run_train(args: argparse.Namespace) -> None:
     if args.drafter:
         with quiet_checkpoint_reads():
             drafter = load_drafter(args.drafter, dtype="float32")
+        if drafter.cfg.quantization is not None:
+            raise ValueError(f"{args.drafter} holds 8-bit weights, which train-drafter cannot update; start from "
+                             "the drafter's float checkpoint.")
     elif config_path.is_file():  # resuming: the saved config wins over the shape flags
         drafter = Drafter(parse_drafter_config(json.loads(config_path.read_text())), rngs=nnx.Rngs(args.seed))
     else:
