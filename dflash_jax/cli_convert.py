@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from dflash_jax.formats.hf_to_nnx import convert_checkpoint
-from dflash_jax.quantization import QUANTIZE_CHOICES
+from dflash_jax.quantization import DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -26,15 +26,18 @@ def add_parser(subparsers) -> None:
                         help="dtype of the activations and of the float parameters (default: as stored)")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                         help="store the weights of a float model's products (a target's decoder layers, a drafter's "
-                        "fc and layers) in 8 bits, weight-only, one scale per output channel: int8, or fp8 (e4m3); "
-                        "FP8 and Q8_0 checkpoints stay 8-bit without it")
+                        "fc and layers) in 8 bits, weight-only: int8, or fp8 (e4m3); FP8 and Q8_0 checkpoints stay "
+                        "8-bit without it")
+    parser.add_argument("--quantize-block", type=int, default=DEFAULT_QUANTIZE_BLOCK,
+                        help="input rows sharing a scale (per output channel) with --quantize; 0: one scale per "
+                        f"output channel (default {DEFAULT_QUANTIZE_BLOCK}, the more accurate on SmolLM2)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.set_defaults(run=run, writes_files=True)
 
 
 def run(args: argparse.Namespace) -> None:
     cfg, dtype = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=True,
-                                    quantize=args.quantize)
+                                    quantize=args.quantize, quantize_block=args.quantize_block or None)
     weights = getattr(cfg, "quantization", None)
     eight_bit = f", {weights.weights} weights" if weights is not None else ""
     print(f"wrote {cfg.kind} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {dtype}{eight_bit}) to {args.out_dir}")

@@ -103,10 +103,11 @@ def test_quantization_configs_are_read_or_refused_with_the_reason():
 @pytest.mark.parametrize("weights", ["int8", "fp8"])
 def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tmp_path, weights):
     hf, float_dir, drafter = float_pair
-    convert_checkpoint(float_dir, tmp_path / "q", quantize=weights)
+    block = 48 if weights == "int8" else None  # 112 MLP rows: blocks of 48, 48 and 16
+    convert_checkpoint(float_dir, tmp_path / "q", quantize=weights, quantize_block=block)
     assert stored_dtypes(tmp_path / "q") == {"int8" if weights == "int8" else "float8_e4m3fn"}
     target = dflash_jax.load_target(tmp_path / "q")
-    assert target.cfg.quantization == WeightQuantization(weights)
+    assert target.cfg.quantization == WeightQuantization(weights, block)
     logits = logits_of(target)
     assert rel_err(logits, logits_of(dequantized(target))) <= 1e-5
     with torch.no_grad():
@@ -196,7 +197,7 @@ def test_8_bit_drafters_draft_what_their_dequantized_weights_draft(float_pair, t
     save_hf(make_zlab_drafter(config, seed=5), tmp_path / "drafter", config)
     convert_checkpoint(tmp_path / "drafter", tmp_path / "q", quantize="int8")
     drafter = dflash_jax.load_drafter(tmp_path / "q")
-    assert drafter.cfg.quantization == WeightQuantization("int8")
+    assert drafter.cfg.quantization == WeightQuantization("int8", 128)
     assert stored_dtypes(tmp_path / "q") == {"int8"}
     features = np.random.default_rng(3).normal(size=(9, drafter.cfg.fc_in_features)).astype(np.float32)
     positions = np.arange(9)

@@ -30,7 +30,8 @@ from dflash_jax.formats.hf_reader import ConversionError, open_checkpoint
 from dflash_jax.formats.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
 from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
-from dflash_jax.quantization import QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape, hf_scales
+from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape,
+                                     hf_scales)
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -176,10 +177,11 @@ def _get_or_none(tree: dict, path: tuple):
 
 def convert_checkpoint(
     hf_dir: str | Path, out_dir: str | Path, *, dtype=None, force: bool = False, progress: bool = False,
-    quantize: str | None = None,
+    quantize: str | None = None, quantize_block: int | None = DEFAULT_QUANTIZE_BLOCK,
 ) -> tuple[TargetConfig | DrafterConfig, jnp.dtype]:
     """Convert `hf_dir` (folder or .gguf file) into an orbax folder at `out_dir`; `quantize`
-    ("int8" or "fp8") stores a float model's product weights in 8 bits.
+    ("int8" or "fp8") stores a float model's product weights in 8 bits, a scale per output
+    channel and `quantize_block` input rows (None: per output channel).
 
     Returns (config, dtype written). A GGUF file's tokenizer is rebuilt from its metadata
     first, so an unsupported tokenizer stops the conversion before any weight is read.
@@ -190,11 +192,13 @@ def convert_checkpoint(
         dtype = float_dtype(dtype)
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConversionError(f"cannot quantize to {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}.")
+    if quantize_block is not None and (not isinstance(quantize_block, int) or quantize_block < 1):
+        raise ConversionError(f"the quantization block must be a positive number of input rows, got {quantize_block!r}.")
     with terminate_raises(), StagedOutput(out_dir, force=force, what="conversion") as staged:
         tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
         raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)
         if quantize is not None:
-            raw_config, model = _quantized(raw_config, model, WeightQuantization(quantize))
+            raw_config, model = _quantized(raw_config, model, WeightQuantization(quantize, quantize_block))
         save_checkpoint(model, raw_config, staged.path)
         for name in SIDE_FILES:
             if (hf_dir / name).is_file():
