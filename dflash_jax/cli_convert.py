@@ -38,6 +38,6 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> None:
     cfg, dtype = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=True,
                                     quantize=args.quantize, quantize_block=args.quantize_block or None)
-    weights = getattr(cfg, "quantization", None)
+    weights = cfg.quantization
     eight_bit = f", {weights.weights} weights" if weights is not None else ""
     print(f"wrote {cfg.kind} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {dtype}{eight_bit}) to {args.out_dir}")

@@ -366,8 +366,6 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             mlp_bias=cfg.mlp_bias,
             **common,
         )
-        if cfg.quantization is not None:
-            raw["quantization_config"] = cfg.quantization.to_config()
     else:
         raw = dict(architectures=["DFlashDraftModel"], model_type="qwen3", **common)
         raw["dflash_config"] = dict(
@@ -379,8 +377,6 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             output_multiplier=cfg.output_multiplier,
             final_logit_softcapping=cfg.final_logit_softcapping,
         )
-        if cfg.quantization is not None:
-            raw["quantization_config"] = cfg.quantization.to_config()
         # z-lab's loader reads num_target_layers even when the ids are explicit.
         raw["num_target_layers"] = cfg.num_target_layers or max(cfg.target_layer_ids) + 1
         raw["layer_types"] = [
@@ -398,4 +394,6 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             raw["is_causal"] = cfg.layers[0].causal
         if parse_drafter_config(raw).layers != cfg.layers:
             raise ConfigError("these per-layer attention rules cannot be written as a HF config.")
+    if cfg.quantization is not None:
+        raw["quantization_config"] = cfg.quantization.to_config()
     return raw

@@ -279,11 +279,11 @@ def finishing(attend_qkv: Callable) -> AttendFn:
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`. A
-    target config's `quantization` makes its four products 8-bit (`QuantizedLinear`)."""
+    """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`. The
+    config's `quantization` makes its four products 8-bit (`QuantizedLinear`)."""
 
     def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs):
-        quantization = getattr(cfg, "quantization", None)
+        quantization = cfg.quantization
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs, quantization=quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)

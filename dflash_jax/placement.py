@@ -19,8 +19,9 @@ from dflash_jax.sharding import param_spec, tensor_parallel_size
 
 def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Mesh | None) -> Target | Drafter:
     """A model from a nested dict of host arrays (`nnx.to_pure_dict` layout, one-device column
-    order), each float parameter cast to `dtype` (8-bit weights and their scales kept) and sent to its shards of `mesh` (to the default
-    device when `mesh` is None): a device receives its slices only, never a whole matrix."""
+    order), each float parameter cast to `dtype` (8-bit weights and their scales kept) and sent
+    to its shards of `mesh` (to the default device when `mesh` is None): a device receives its
+    slices only, never a whole matrix."""
     shards = tensor_parallel_size(mesh)
     if mesh is not None:
         params = to_shard_layout(cfg, params, shards)

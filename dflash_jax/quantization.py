@@ -32,8 +32,6 @@ QUANTIZE_CHOICES = tuple(WEIGHT_DTYPES)
 # (bench/results/2026-12-03-s21-quantized-agreement-cpu.md).
 DEFAULT_QUANTIZE_BLOCK = 128
 OWN_METHOD = "dflash_jax"  # quantization_config["quant_method"] of `convert --quantize` output
-
-
 GGUF_Q8_0_METHOD = "gguf_q8_0"  # quantization_config["quant_method"] of GGUF files whose projections are Q8_0
 
 
@@ -143,7 +141,8 @@ def quantize(w_IO, quantization: WeightQuantization) -> tuple[jax.Array, jax.Arr
 
 
 def dequantize(values_IO, block_scales, block_in: int | None, dtype):
-    """The float weight [I, O] in `dtype` (for references and exports; products use `quantized_product`)."""
+    """The float weight [I, O] in `dtype` that the 8-bit values and scales stand for (the
+    reference `quantized_product` is tested against)."""
     scale_IO = block_scales if block_in is None else jnp.repeat(block_scales, block_in, axis=0)[: values_IO.shape[0]]
     return (values_IO.astype(jnp.float32) * scale_IO).astype(dtype)
 
@@ -174,7 +173,7 @@ class QuantizedLinear(nnx.Module):
         def param(shape, param_dtype, param_axes):
             return nnx.Param(jnp.zeros(shape, param_dtype), out_sharding=param_axes, eager_sharding=False)
 
-        self.dtype, self.dot_general, self.block_in = dtype, dot_general, quantization.block_in
+        self.dot_general, self.block_in = dot_general, quantization.block_in
         self.kernel = param((in_features, out_features), quantization.dtype, axes)
         self.scale = param((quantization.scale_rows(in_features), out_features), jnp.float32, (None, axes[1]))
         self.bias = param((out_features,), dtype, (axes[1],)) if use_bias else None
@@ -183,8 +182,3 @@ class QuantizedLinear(nnx.Module):
         y = quantized_product(x, self.kernel[...], self.scale[...], self.block_in, self.dot_general)
         return y if self.bias is None else y + self.bias[...]
 
-
-def is_quantized_leaf(path: tuple, value) -> bool:
-    """A quantized layer's 8-bit values or float32 scales, kept in their dtypes when the
-    other parameters are cast."""
-    return bool(path) and (str(path[-1]) == "scale" or np.dtype(value.dtype).itemsize == 1)

@@ -4,6 +4,7 @@ computes, stays 8-bit on disk, and greedy DFlash on it equals its own greedy aut
 decoding."""
 
 import copy
+import dataclasses
 import json
 
 import jax
@@ -57,7 +58,7 @@ def dequantized(target):
                 walk(value)
 
     walk(params)
-    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "quantization": None})
+    cfg = dataclasses.replace(target.cfg, quantization=None)
     return model_from_params(cfg, target.dtype, params)
 
 

@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b", help="the random models' shapes")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the random models' dtype (the PyTorch anchors run in bfloat16 only)")
+    # dflash_jax.quantization.QUANTIZE_CHOICES, spelled out: importing it starts jax before main sets its environment
     parser.add_argument("--quantize", choices=("int8", "fp8"),
                         help="the target's decoder-layer weights in 8 bits (weight-only, per output channel)")
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")

@@ -28,8 +28,8 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     moved into place.
     """
     out_dir = Path(out_dir)
-    if getattr(model.cfg, "quantization", None) is not None:
-        raise ValueError("this target's weights are 8-bit; export writes float HF checkpoints only: export the "
+    if model.cfg.quantization is not None:
+        raise ValueError("this model's weights are 8-bit; export writes float HF checkpoints only: export the "
                          "float original (or keep the converted folder, which loads as it is).")
     with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
         rules = drafter_rules(model.cfg) if isinstance(model.cfg, DrafterConfig) else target_rules(model.cfg)

@@ -60,7 +60,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     else:
         raw_config = read_config_json(hf_dir)
         cfg = parse_config(raw_config)
-        if getattr(cfg, "quantization", None) is not None and cfg.quantization.hf_scale is None:
+        if cfg.quantization is not None and cfg.quantization.hf_scale is None:
             raise ConversionError(f"{hf_dir} was written by `convert --quantize`: it is converted already and loads "
                                   "as it is; to convert again, start from the float HF checkpoint.")
         source = open_checkpoint(hf_dir)
@@ -193,7 +193,8 @@ def convert_checkpoint(
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConversionError(f"cannot quantize to {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}.")
     if quantize_block is not None and (not isinstance(quantize_block, int) or quantize_block < 1):
-        raise ConversionError(f"the quantization block must be a positive number of input rows, got {quantize_block!r}.")
+        raise ConversionError(f"the quantization block must be a positive number of input rows, got "
+                              f"{quantize_block!r}.")
     with terminate_raises(), StagedOutput(out_dir, force=force, what="conversion") as staged:
         tokenizer_files = gguf_tokenizer_files(hf_dir) if is_gguf_file(hf_dir) else {}
         raw_config, model = model_from_hf(hf_dir, dtype, progress=progress)

@@ -56,8 +56,7 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
     ]
-    quantization = getattr(cfg, "quantization", None)
-    linear = functools.partial(_linear, scale_name=quantization and quantization.hf_scale)
+    linear = functools.partial(_linear, scale_name=cfg.quantization and cfg.quantization.hf_scale)
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
     for proj, start in starts.items():
