@@ -64,11 +64,12 @@ class RandomPair:
     lm_head_bytes: int
 
 
-def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, quantize: str | None = None
-               ) -> RandomPair:
+def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, quantize: str | None = None,
+               quantize_block: int | None = None) -> RandomPair:
     """The random target and drafter of MODELS[model], placed on `mesh` if one is given (one at
     a time: the first device holds a whole one-device model only while it is placed);
-    `quantize` ("int8", "fp8") stores the target's decoder-layer weights in 8 bits."""
+    `quantize` ("int8", "fp8") stores the target's decoder-layer weights in 8 bits, a scale
+    per output column and block of `quantize_block` input rows (None: all of them)."""
     from dflash_jax.models import quantize_model
     from dflash_jax.placement import shard_model
     from dflash_jax.quantization import WeightQuantization
@@ -76,7 +77,7 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
     shapes = MODELS[model]
     target = random_model(shapes.target, seed, dtype)
     if quantize is not None:
-        target = quantize_model(target, WeightQuantization(quantize))
+        target = quantize_model(target, WeightQuantization(quantize, quantize_block))
         gc.collect()
     target = shard_model(target, mesh)
     gc.collect()

@@ -58,7 +58,7 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), 
         raise ValueError(f"layer_ids {list(layer_ids)} must lie in [0, {target.cfg.num_layers}).")
     num_tokens = ids.shape[0]
     ids_T = jnp.pad(ids, (0, _padded_length(num_tokens) - num_tokens))  # causal: the tail sees the rest, not back
-    logits_TV, features_TF = _target_forward(target, ids_T, layer_ids, kernels.resolve())
+    logits_TV, features_TF = _target_forward(target, ids_T, layer_ids, kernels.resolve(target.mesh))
     return logits_TV[:num_tokens], features_TF[:num_tokens]
 
 
@@ -96,7 +96,7 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *,
         )
     num_ctx = features.shape[0]
     features_LF = jnp.pad(features, ((0, _padded_length(num_ctx) - num_ctx), (0, 0)))
-    return _draft_logits(target, drafter, features_LF, jnp.int32(num_ctx), block, kernels.resolve())
+    return _draft_logits(target, drafter, features_LF, jnp.int32(num_ctx), block, kernels.resolve(target.mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))

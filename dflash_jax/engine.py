@@ -185,7 +185,7 @@ class Engine:
             draft_block_size=self.draft_block_size,
             max_model_len=self.max_model_len,
             layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
-            kernels=kernels.resolve(),
+            kernels=kernels.resolve(target.mesh),
             greedy=False,  # set per program: `_step_program`'s `greedy`
             draft_sampling=check_draft_sampling(draft_sampling),
         )

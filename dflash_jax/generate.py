@@ -179,7 +179,7 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
         draft_block_size=draft_block_size,
         max_model_len=max_model_len,
         layer_ids=drafter.cfg.target_layer_ids if drafter is not None else (),
-        kernels=kernels.resolve(),
+        kernels=kernels.resolve(target.mesh),
         greedy=params["temperature"] == 0,
         draft_sampling=draft_sampling,
     )

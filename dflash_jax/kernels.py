@@ -1,9 +1,11 @@
 """Which implementation computes each kernel: one frozen value, resolved once, passed down.
 
-`Kernels` names the implementation of the four kernels a step runs: paged attention, the
-DFlash layout, the residual add + RMSNorm and the heads' finish (q/k norm, RoPE, K/V cache
-write). "auto" has one meaning for all four: the Pallas kernel on a GPU, the jnp reference
-elsewhere (where Pallas could only run in its slow interpret mode). `resolve()` replaces
+`Kernels` names the implementation of the five kernels a step runs: paged attention, the
+DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
+write) and the 8-bit weights' product. "auto" has one meaning for all five: the Pallas kernel
+on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
+mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
+could not). `resolve()` replaces
 "auto" by what it means on this backend; the resolved value travels in each program's
 static configuration, so it is part of the jit cache key and a different choice compiles a
 different program. Nothing here reads the environment: a caller that wants environment
@@ -27,6 +29,7 @@ from pallas_kernels.paged_attention import (
     default_block_q, default_kv_splits, paged_attention_pallas, query_blocks,
 )
 from pallas_kernels.paged_attention_reference import paged_attention_reference
+from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
 # Implementations each kernel accepts; "auto" resolves to "pallas" on a GPU, else "reference".
@@ -35,6 +38,7 @@ CHOICES = {
     "layout": ("auto", "reference", "pallas", "triton"),
     "norm": ("auto", "reference", "pallas"),
     "heads": ("auto", "reference", "pallas"),
+    "quantized": ("auto", "reference", "pallas"),
 }
 
 
@@ -47,6 +51,7 @@ class Kernels:
     layout: str = "auto"
     norm: str = "auto"
     heads: str = "auto"
+    quantized: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -67,13 +72,18 @@ class Kernels:
             choices[name.strip()] = impl.strip()
         return cls(**choices)
 
-    def resolve(self) -> Kernels:
-        """This value with "auto" replaced by what it means on the default backend."""
+    def resolve(self, mesh=None) -> Kernels:
+        """This value with "auto" replaced by what it means on the default backend, for models
+        placed on `mesh` (None: one device)."""
+        if mesh is not None and self.quantized == "pallas":
+            raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
+                             "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
-        return Kernels(**{
-            name: ("pallas" if on_gpu else "reference") if getattr(self, name) == "auto" else getattr(self, name)
-            for name in CHOICES
-        })
+        auto = {name: "pallas" if on_gpu else "reference" for name in CHOICES}
+        if mesh is not None:
+            auto["quantized"] = "reference"
+        return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
+                          for name in CHOICES})
 
     @property
     def add_rms_norm(self):
@@ -84,6 +94,13 @@ class Kernels:
     def finish_heads(self):
         """`finish_heads_reference`'s signature: (queries, key cache, value cache)."""
         return finish_heads_pallas if self._chosen("heads") == "pallas" else finish_heads_reference
+
+    def quantized_matmul(self, dot_general):
+        """`quantized_matmul_reference`'s (x, values, scales, block_in) as this value computes
+        it; the reference's products go through `dot_general`."""
+        if self._chosen("quantized") == "pallas":
+            return quantized_matmul_pallas
+        return functools.partial(quantized_matmul_reference, dot_general=dot_general)
 
     def paged_attention(self, q_req_T, *, num_rows: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes
@@ -104,7 +121,7 @@ class Kernels:
         return value
 
 
-REFERENCE = Kernels("reference", "reference", "reference", "reference")
+REFERENCE = Kernels(**{name: "reference" for name in CHOICES})
 
 
 def add_kernels_argument(parser) -> None:
@@ -118,6 +135,6 @@ def add_kernels_argument(parser) -> None:
 
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
-        help="implementation of each kernel: attention, layout, norm, heads = auto | reference | pallas "
-        "(layout also triton); auto, the default, is Pallas on a GPU and the jnp reference elsewhere",
+        help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
+        "product) = auto | reference | pallas (layout also triton); auto, the default, is Pallas on a GPU and the jnp reference elsewhere",
     )

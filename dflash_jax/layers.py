@@ -90,6 +90,11 @@ def linear(
     )
 
 
+def apply_linear(module: nnx.Linear | QuantizedLinear, x, kernels: Kernels):
+    """`module(x)`, an 8-bit one's product as `kernels` (resolved) computes it."""
+    return module(x, kernels) if isinstance(module, QuantizedLinear) else module(x)
+
+
 class RMSNorm(nnx.Module):
     """HF-style RMSNorm: normalise in float32, cast back, then scale by the weight."""
 
@@ -122,10 +127,10 @@ class MLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden, ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs,
                                 quantization=quantization)
 
-    def __call__(self, x):
-        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
+    def __call__(self, x, kernels: Kernels = REFERENCE):
+        gate_up = apply_linear(self.gate_up_proj, x, kernels).reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
         gate, up = (gate_up[..., i, :].reshape(*x.shape[:-1], self.intermediate) for i in (0, 1))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return apply_linear(self.down_proj, jax.nn.silu(gate) * up, kernels)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,10 +239,10 @@ class Attention(nnx.Module):
         bias = kv_columns(self.qkv_proj.bias) if cfg.attention_bias else None
         return kv_columns(self.qkv_proj.kernel), scale, bias
 
-    def project(self, x_TD, positions_T) -> ProjectedHeads:
+    def project(self, x_TD, positions_T, kernels: Kernels = REFERENCE) -> ProjectedHeads:
         """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""
         cfg = self.cfg
-        qkv_TYH = self.qkv_proj(x_TD).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qkv_TYH = apply_linear(self.qkv_proj, x_TD, kernels).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         return ProjectedHeads(qkv_TYH, positions_T, self)
 
     def finish_args(self, positions_T) -> tuple:
@@ -296,10 +301,10 @@ class DecoderLayer(nnx.Module):
         The layer's output x' + delta' is left for the norm that reads it next to sum (the
         next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
-        a_TUH = attend(self.self_attn.project(h_TD, positions_T))
+        a_TUH = attend(self.self_attn.project(h_TD, positions_T, kernels))
         x_TD, h_TD = self.post_attention_layernorm.add_norm(
-            x_TD, self.self_attn.o_proj(a_TUH.reshape(x_TD.shape[0], -1)), kernels)
-        return x_TD, self.mlp(h_TD)
+            x_TD, apply_linear(self.self_attn.o_proj, a_TUH.reshape(x_TD.shape[0], -1), kernels), kernels)
+        return x_TD, self.mlp(h_TD, kernels)
 
 
 def rope_table(positions_T, rope: RopeConfig, head_dim: int):

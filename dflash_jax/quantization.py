@@ -2,7 +2,8 @@
 weights, and the linear layer that keeps its weights 8-bit on the device.
 
 Only the weights are quantized: a product converts its 8-bit values to the activations' dtype
-(exactly), multiplies, and scales the float32 result (`quantized_product`). So every row of a
+(exactly), multiplies, and scales the float32 result (`pallas_kernels.quantized_matmul`: a
+Pallas kernel on one GPU, its jnp reference elsewhere, as `Kernels.quantized` chooses). So every row of a
 product is computed alike whatever the rows beside it, and a verify block stays exactly what
 single steps compute; activations are never quantized (per block they would not be).
 
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from dflash_jax.kernels import REFERENCE, Kernels
 
 # name -> (stored dtype, its largest magnitude)
 WEIGHT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
@@ -141,28 +144,10 @@ def quantize(w_IO, quantization: WeightQuantization) -> tuple[jax.Array, jax.Arr
 
 
 def dequantize(values_IO, block_scales, block_in: int | None, dtype):
-    """The float weight [I, O] in `dtype` that the 8-bit values and scales stand for (the
-    reference `quantized_product` is tested against)."""
+    """The float weight [I, O] in `dtype` that the 8-bit values and scales stand for (what
+    the products are tested against)."""
     scale_IO = block_scales if block_in is None else jnp.repeat(block_scales, block_in, axis=0)[: values_IO.shape[0]]
     return (values_IO.astype(jnp.float32) * scale_IO).astype(dtype)
-
-
-def quantized_product(x_TI, values_IO, block_scales, block_in: int | None, dot_general):
-    """x @ dequantize(values) in x's dtype, the scales applied to the product's float32 result:
-    the 8-bit values are only converted (exactly: int8 and e4m3 fit in bfloat16), a conversion
-    XLA fuses into the product's operand, so the weights are read as 8 bits. Blocks of input
-    rows are products of their own, summed after scaling."""
-    values = values_IO.astype(x_TI.dtype)
-    if block_in is None:
-        y = dot_general(x_TI, values, (((x_TI.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return (y * block_scales[0]).astype(x_TI.dtype)
-    rows, (*lead, width) = block_scales.shape[0], x_TI.shape
-    pad = rows * block_in - width
-    x_TRB = jnp.pad(x_TI.reshape(-1, width), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
-    values_RBO = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
-    y_RTO = dot_general(x_TRB, values_RBO, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-    y_TO = (y_RTO * block_scales[:, None, :]).sum(axis=0)
-    return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
 
 
 class QuantizedLinear(nnx.Module):
@@ -178,7 +163,9 @@ class QuantizedLinear(nnx.Module):
         self.scale = param((quantization.scale_rows(in_features), out_features), jnp.float32, (None, axes[1]))
         self.bias = param((out_features,), dtype, (axes[1],)) if use_bias else None
 
-    def __call__(self, x):
-        y = quantized_product(x, self.kernel[...], self.scale[...], self.block_in, self.dot_general)
+    def __call__(self, x, kernels: Kernels = REFERENCE):
+        """x @ the weight; `kernels.quantized` (resolved) picks the product's implementation."""
+        product = kernels.quantized_matmul(self.dot_general)
+        y = product(x, self.kernel[...], self.scale[...], self.block_in)
         return y if self.bias is None else y + self.bias[...]
 

@@ -176,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the random models' dtype (the PyTorch anchors run in bfloat16 only)")
     # dflash_jax.quantization.QUANTIZE_CHOICES, spelled out: importing it starts jax before main sets its environment
     parser.add_argument("--quantize", choices=("int8", "fp8"),
-                        help="the target's decoder-layer weights in 8 bits (weight-only, per output channel)")
+                        help="the target's decoder-layer weights in 8 bits (weight-only)")
+    parser.add_argument("--quantize-block", type=int, default=0,
+                        help="with --quantize: input rows per scale (0, the default: one scale per output channel)")
     parser.add_argument("--quick", action="store_true", help=f"points {POINTS_QUICK}, fewer repeats")
     parser.add_argument("--points", default=None, help=f"BxC list, e.g. 1x1k,32x8k (default {POINTS_FULL})")
     parser.add_argument("--attention-impl", default="auto", help="comma list of auto / reference / pallas")
@@ -260,7 +262,8 @@ def main(argv=None) -> int:
     md_path = Path(opts.out).with_suffix(".md")
     budget = Budget(opts.budget_s)
     model = "small" if small else opts.model
-    run = dict(small=small, model=model, dtype=opts.dtype, quantize=opts.quantize, tensor_parallel=tp,
+    run = dict(small=small, model=model, dtype=opts.dtype, quantize=opts.quantize,
+               quantize_block=opts.quantize_block or None, tensor_parallel=tp,
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
 
     print(json.dumps(record.env), flush=True)
     t0 = time.perf_counter()
-    pair = build_pair(model, opts.dtype, mesh=mesh, quantize=opts.quantize)
+    pair = build_pair(model, opts.dtype, mesh=mesh, quantize=opts.quantize, quantize_block=opts.quantize_block or None)
     note(f"models built on the device{f' and placed on {tp} devices' if mesh else ''} in "
          f"{time.perf_counter() - t0:.1f} s")
     run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # 8-bit targets against bf16 in one device call: bench.decode.speed at the Qwen3-8B shape with
-# the target's decoder-layer weights in bf16, int8 and fp8 (weight-only, per output channel).
+# the target's decoder-layer weights in bf16, int8 and fp8 (weight-only; a VARIANTS entry
+# NAME-bB scales per B input rows, e.g. int8-b128; else per output channel; a trailing -xla
+# takes XLA's product, `--kernels quantized=reference`, instead of the Pallas kernel).
 #
 #   OUT=... bash bench/plans/quantized.sh COMMIT        # POINTS (default 1x1k), BLOCKS (16),
 #                                                        # SECTIONS (generate,steps), VARIANTS
@@ -8,7 +10,12 @@
 source "$(dirname "$0")/common.sh"
 for variant in ${VARIANTS:-bf16 int8 fp8}; do
     quantize=()
-    [ "$variant" != bf16 ] && quantize=(--quantize "$variant")
+    [ "${variant%-xla}" != "$variant" ] && quantize=(--kernels quantized=reference)
+    weights=${variant%-xla}
+    weights=${weights%%-b*}
+    [ "$weights" != bf16 ] && quantize+=(--quantize "$weights")
+    block=${variant%-xla}
+    [ "$weights" != "$block" ] && quantize+=(--quantize-block "${block##*-b}")
     decode "q-${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
         --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${quantize[@]}"
 done

@@ -19,8 +19,8 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
-from dflash_jax.quantization import quantized_product
 from dflash_jax.sharding import replicated
+from pallas_kernels.quantized_matmul import quantized_matmul_reference
 
 
 class Drafter(nnx.Module):
@@ -60,8 +60,8 @@ class Drafter(nnx.Module):
             kv = dot_general(ctx_LD, stacked, (((1,), (0,)), ((), ())))
         else:
             scales = jnp.stack([scale for _, scale, _ in weights], axis=2)
-            kv = quantized_product(ctx_LD, stacked, scales.reshape(scales.shape[0], -1), cfg.quantization.block_in,
-                                   dot_general)
+            kv = quantized_matmul_reference(ctx_LD, stacked, scales.reshape(scales.shape[0], -1),
+                                            cfg.quantization.block_in, dot_general)
         if cfg.attention_bias:
             kv = kv + jnp.stack([bias for _, _, bias in weights], axis=1).reshape(-1)
         # [L, shards, layers, 2, K/shards, H]; no -1 in the shape: L is 0 before there is any context.

@@ -1,0 +1,154 @@
+"""8-bit weight products on the GPU: the Pallas kernel's tilings against XLA's products.
+
+    python -m bench.kernels.quantized_products --out $OUT/quantized_products.json
+    python -m bench.kernels.quantized_products --small --out /tmp/qp.json   # CPU smoke test
+
+For each decoder-layer matrix of the Qwen3-8B shape (`bench.shapes`: qkv [4096, 6144], o
+[4096, 4096], gate_up [4096, 24576], down [12288, 4096]) and M rows, chained over `--copies`
+distinct weights (so every matrix streams from HBM), times:
+  - bf16: XLA's product of a bf16 weight (what 8 bits must beat);
+  - xla-int8 / xla-int8-b128: `quantization.quantized_product` (XLA, the conversion in the
+    product's operand), one scale per column / per 128 input rows;
+  - pallas-* / reduce-*: `pallas_kernels.quantized_matmul`'s product kernel (default tiling)
+    and its multiply-reduce kernel (M <= 4), and the tilings of `--sweep-dot` (at M = 16) and
+    `--sweep-reduce` (at M = 1), int8 with `--sweep-block`;
+  - none: the chain without a product (what each link costs besides its kernel).
+Reports us per matrix and the achieved read rate of its weight bytes (values + scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+
+from bench import harness
+from bench.shapes import QWEN3_8B, SMALL
+
+
+def matrices(model: dict) -> dict[str, tuple[int, int]]:
+    d, inter, h = model["hidden_size"], model["intermediate_size"], model["head_dim"]
+    nh, kh = model["num_attention_heads"] * h, model["num_key_value_heads"] * h
+    return {"qkv": (d, nh + 2 * kh), "o": (nh, d), "gate_up": (d, 2 * inter), "down": (inter, d)}
+
+
+def time_chain(fn, x, weights, reps):
+    """Median seconds of one `fn(x, w)` over the chain of distinct weights."""
+
+    @jax.jit
+    def run(x, weights):
+        total = jnp.zeros((), jnp.float32)
+        for w in weights:
+            total = total + fn(x, *w)[0, 0].astype(jnp.float32)
+        return total
+
+    return harness.time_calls(lambda: run(x, weights), reps=reps, calls_per_sample=len(weights)).median_s
+
+
+def main(argv=None):
+    from dflash_jax.quantization import WeightQuantization, quantize, quantized_product
+    from pallas_kernels.quantized_matmul import Tiling, default_tiling, quantized_matmul_pallas
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_output_arguments(parser, out_default="quantized_products.json")
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--copies", type=int, default=12, help="distinct weights per matrix")
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--sweep-dot", default="128,256:64,128:1,2,4,8:4:3",
+                        help="the product kernel's block_k : block_n : splits : warps : stages lists, tried at M = 16")
+    parser.add_argument("--sweep-reduce", default="32:256,512,1024:1,2,4,8:4,8:3",
+                        help="the multiply-reduce kernel's lists, tried at M = 1 ('' for none)")
+    parser.add_argument("--sweep-block", type=int, default=128, help="the swept weights' input rows per scale (0: per column)")
+    parser.add_argument("--matrices", default="qkv,o,gate_up,down")
+    args = parser.parse_args(argv)
+    record = harness.Record(__spec__.name, args, argv)
+    shapes = matrices(SMALL if args.small else QWEN3_8B)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    interpret = jax.default_backend() != "gpu"
+    key = jax.random.key(0)
+    results = []
+
+    def report(**row):
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    for name in args.matrices.split(","):
+        K, N = shapes[name]
+        floats = []
+        for _ in range(args.copies):
+            key, sub = jax.random.split(key)
+            floats.append((jax.random.normal(sub, (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16))
+        quantized = {}
+        for weights, block in (("int8", None), ("int8", 128), ("fp8", None), ("fp8", 128)):
+            q = WeightQuantization(weights, block)
+            quantized[weights, block] = [quantize(w, q) for w in floats]
+        variants = {"bf16": (lambda x, w: x @ w, [(w,) for w in floats], K * N * 2),
+                    "none": (lambda x, w: x[:, :1], [(w,) for w in floats], K * N * 2)}
+        for (weights, block), ws in quantized.items():
+            if weights == "fp8" and block is None:
+                continue
+            tag = f"{weights}{'-b128' if block else ''}"
+            nb = K * N + ws[0][1].size * 4
+            variants[f"xla-{tag}"] = (
+                lambda x, v, s, block=block: quantized_product(x, v, s, block, jax.lax.dot_general), ws, nb)
+            variants[f"pallas-{tag}"] = (
+                lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret), ws, nb)
+            variants[f"reduce-{tag}"] = (
+                lambda x, v, s, block=block: quantized_matmul_pallas(
+                    x, v, s, block, tiling=Tiling(32, 512, 4), reduce=True, interpret=interpret), ws, nb)
+        for M in rows_list:
+            key, sub = jax.random.split(key)
+            x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
+            for variant, (fn, ws, nb) in variants.items():
+                if variant.startswith("reduce") and M > 4:
+                    continue
+                seconds = time_chain(fn, x, ws, args.reps)
+                tiling = default_tiling(K, N, 128 if "b128" in variant else None) if "pallas" in variant else None
+                report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
+                       tiling=tiling and list(tiling.__dict__.values()))
+        for kind, M, spec in (("dot", 16, args.sweep_dot), ("reduce", 1, args.sweep_reduce)):
+            if not spec:
+                continue
+            key, sub = jax.random.split(key)
+            x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
+            block = args.sweep_block or None
+            ws = quantized["int8", block]
+            nb = K * N + ws[0][1].size * 4
+            for bk, bn, splits, warps, stages in itertools.product(
+                    *[[int(v) for v in part.split(",")] for part in spec.split(":")]):
+                if N % bn or K % (bk * splits) or (block and block % bk):
+                    continue
+                tiling = Tiling(bk, bn, splits, warps, stages)
+                fn = lambda x, v, s, block=block, tiling=tiling, kind=kind: quantized_matmul_pallas(
+                    x, v, s, block, tiling=tiling, reduce=kind == "reduce", interpret=interpret)
+                variant = f"sweep-{kind}{'-b128' if block else ''}"
+                try:
+                    seconds = time_chain(fn, x, ws, args.reps)
+                except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
+                    report(matrix=name, rows=M, variant=variant, tiling=[bk, bn, splits, warps, stages],
+                           error=str(error)[:300])
+                    continue
+                report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
+                       tiling=[bk, bn, splits, warps, stages])
+    record.write(dict(copies=args.copies, timings=results))
+    print(f"\n{'matrix':<8} {'M':>3} {'variant':<18} {'us':>8} {'TB/s':>6} tiling")
+    for r in results:
+        if "us" in r:
+            print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} {r['us']:8.1f} {r['TBps']:6.2f} {r['tiling']}")
+    best = {}
+    for r in results:
+        if r["variant"].startswith("sweep") and "us" in r:
+            k = (r["matrix"], r["variant"])
+            best[k] = min(best.get(k, r), r, key=lambda t: t["us"])
+    print("\nbest sweep tilings:")
+    for (matrix, variant), r in best.items():
+        print(f"  {matrix:<8} {variant:<18} {r['us']:8.1f} us {r['TBps']:6.2f} TB/s {r['tiling']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""x @ W for a weight W stored as 8-bit values (int8 or float8_e4m3fn) and float32 scales, as
+one Pallas kernel that reads the 8-bit values from memory and converts them in registers
+(Triton lowering on a GPU, interpret mode on CPU).
+
+At decode and verify shapes (a few rows) a product is bound by reading its weight: 8-bit
+values halve the bytes of bf16 ones, but XLA's products convert an 8-bit operand through a
+bf16 copy or into a slow multiply-reduce kernel. Here each program owns `block_n` output
+columns and, with `splits` > 1, one share of the input rows (split-K: enough programs to
+fill the GPU when a matrix has few column blocks); shares are summed by XLA afterwards.
+
+Weights are `[K, N]` values with scales `[R, N]`: R = 1 (a scale per output column, applied
+once to the float32 sum) or R = ceil(K / block_in) (a scale per column and block of
+`block_in` input rows, applied to each block's float32 partial product). The tiling depends
+on (K, N) alone, never on the number of rows, so a row's result is the same whatever rows
+share its call: a verify block computes what single steps compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, quiet_triton_deprecation
+
+MAX_BLOCK_ROWS = 64  # rows per program; larger calls get more programs along the rows
+MIN_TILE = 16  # Triton's smallest product tile
+
+
+def quantized_matmul_reference(x_TK, values_KN, scales_RN, block_in: int | None, dot_general=lax.dot_general):
+    """x @ dequantized W in x's dtype (x [..., K]): the 8-bit values only converted (exactly:
+    int8 and e4m3 fit in bfloat16; XLA fuses the conversion into the product's operand), float32
+    products scaled per column, or per column and block of input rows (products of their own,
+    summed after scaling). `dot_general`: `lax.dot_general`'s signature (the library passes the
+    one its CPU products need)."""
+    values = values_KN.astype(x_TK.dtype)
+    if block_in is None:
+        y = dot_general(x_TK, values, (((x_TK.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * scales_RN[0]).astype(x_TK.dtype)
+    rows, (*lead, K) = scales_RN.shape[0], x_TK.shape
+    pad = rows * block_in - K
+    x_TRB = jnp.pad(x_TK.reshape(-1, K), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
+    values_RBN = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
+    y_RTN = dot_general(x_TRB, values_RBN, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    y_TN = (y_RTN * scales_RN[:, None, :]).sum(axis=0)
+    return y_TN.reshape(*lead, -1).astype(x_TK.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a [K, N] weight is cut: `block_k` input rows per step of a program's loop,
+    `block_n` output columns per program, `splits` shares of the input rows."""
+
+    block_k: int
+    block_n: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides n and is at most cap."""
+    return min(n & -n, cap)
+
+
+def default_tiling(K: int, N: int, block_in: int | None, *, programs: int = 264) -> Tiling | None:
+    """The tiling for a [K, N] weight (None where no tile fits: the caller takes the
+    reference): 128-row steps (or the largest power of two dividing both K and a scale block),
+    128 columns, and as many splits of the rows as bring the programs near `programs` (two per
+    H200 multiprocessor) while each split keeps at least four steps."""
+    block_k = largest_pow2_divisor(math.gcd(K, block_in) if block_in else K, 128)
+    block_n = largest_pow2_divisor(N, 128)
+    if block_k < MIN_TILE or block_n < MIN_TILE:
+        return None
+    steps, column_blocks = K // block_k, N // block_n
+    splits = 1
+    while (column_blocks * splits * 2 <= programs and steps % (splits * 2) == 0
+           and steps // (splits * 2) >= 4):
+        splits *= 2
+    return Tiling(block_k, block_n, splits)
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
+            finish: bool):
+    col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bk, bn = tiling.block_k, tiling.block_n
+    rows, cols = pl.ds(row_block * block_m, block_m), pl.ds(col_block * bn, bn)
+
+    def step(j, acc):
+        k0 = (split * steps + j) * bk
+        x = x_ref[rows, pl.ds(k0, bk)]
+        w = w_ref[pl.ds(k0, bk), cols].astype(x.dtype)
+        product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if block_in is not None:
+            product = product * s_ref[pl.ds(k0 // block_in, 1), cols]
+        return acc + product
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, bn), jnp.float32))
+    if finish:
+        if block_in is None:
+            acc = acc * s_ref[pl.ds(0, 1), cols]
+        o_ref[rows, cols] = acc.astype(o_ref.dtype)
+    else:
+        o_ref[split, rows, cols] = acc
+
+
+def quantized_matmul_pallas(x_TK, values_KN, scales_RN, block_in: int | None, *, tiling: Tiling | None = None,
+                            interpret: bool | None = None):
+    """`quantized_matmul_reference` (same arguments and result) as one kernel: x [..., K] in a
+    float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32. A weight no tile
+    fits (K or N without a power-of-two divisor of 16 or more) takes the reference.
+    interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
+    *lead, K = x_TK.shape
+    N = values_KN.shape[1]
+    tiling = tiling or default_tiling(K, N, block_in)
+    if tiling is None:
+        return quantized_matmul_reference(x_TK, values_KN, scales_RN, block_in)
+    x_TK = x_TK.reshape(-1, K)
+    T = x_TK.shape[0]
+    if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):
+        raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}); "
+                         "use default_tiling(K, N, block_in).")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        quiet_triton_deprecation()
+    block_m = min(max(next_pow2(T), MIN_TILE), MAX_BLOCK_ROWS)
+    padded = -(-T // block_m) * block_m
+    x = jnp.pad(x_TK, ((0, padded - T), (0, 0)))
+    finish = tiling.splits == 1
+    out_shape = ((padded, N), x_TK.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
+    out = pl.pallas_call(
+        functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
+                          block_in=block_in, finish=finish),
+        out_shape=jax.ShapeDtypeStruct(*out_shape),
+        grid=(N // tiling.block_n, tiling.splits, padded // block_m),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name="quantized_matmul",
+    )(x, values_KN, scales_RN)
+    if finish:
+        return out[:T].reshape(*lead, N)
+    y = out[:, :T].sum(axis=0)
+    return (y * scales_RN[0] if block_in is None else y).astype(x_TK.dtype).reshape(*lead, N)
