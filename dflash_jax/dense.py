@@ -48,7 +48,7 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), 
 
     `features` concatenates the outputs of the listed decoder layers (0-based, before the
     final norm: HF `hidden_states[id + 1]`), in the order given. Of `kernels` the dense path
-    uses the norm's (attention here is dense, with no cache to write). `mesh` as for
+    uses the norm's and the 8-bit product's (attention here is dense, with no cache to write). `mesh` as for
     `generate` (XLA partitions the whole forward; the norm kernel runs unsharded).
     """
     (target,) = on_one_mesh((target,), mesh)

@@ -22,6 +22,7 @@ from dflash_jax.formats.export_hf import export_hf
 from dflash_jax.formats.hf_reader import ConversionError
 from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.kernels import Kernels
 from dflash_jax.models import model_from_params
 from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequantize, parse_quantization,
                                      quantize)
@@ -118,6 +119,10 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
     spec = generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4)
     assert spec.token_ids == ar.token_ids
     assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)  # drafts were accepted, some not
+    # the Pallas product (interpret mode here) decodes the same tokens, DFlash and AR alike
+    pallas = Kernels(quantized="pallas")
+    assert rel_err(np.asarray(dflash_jax.target_forward(target, IDS, kernels=pallas)[0]), logits) <= 1e-5
+    assert generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4, kernels=pallas).token_ids == ar.token_ids
     if weights == "int8":
         engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
         ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=16)) for p in PROMPTS]

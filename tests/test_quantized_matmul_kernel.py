@@ -1,0 +1,95 @@
+"""The 8-bit product kernel (interpret mode on CPU; compiled on a GPU) against its jnp
+reference and a float64 numpy oracle of the dequantized weight; each row computed alike
+whatever rows share its call; and the choice `Kernels.quantized` makes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.kernels import Kernels
+from dflash_jax.quantization import WeightQuantization, quantize
+from pallas_kernels.quantized_matmul import (
+    Tiling, default_tiling, quantized_matmul_pallas, quantized_matmul_reference,
+)
+
+
+def weight(K, N, weights, block_in, seed=0):
+    w = np.random.default_rng(seed).normal(size=(K, N)).astype(np.float32) * 0.05
+    return quantize(w, WeightQuantization(weights, block_in))
+
+
+def oracle(x, values, scales, block_in):
+    scales = np.asarray(scales, np.float64)
+    if block_in is not None:
+        scales = np.repeat(scales, block_in, axis=0)[: values.shape[0]]
+    return np.asarray(x, np.float64) @ (np.asarray(values.astype(jnp.float32), np.float64) * scales)
+
+
+CASES = [  # rows, K, N, weights, block_in
+    (1, 256, 128, "int8", None),
+    (5, 576, 960, "int8", 128),    # SmolLM2's width: 64-row steps inside 128-row blocks, 64 columns
+    (16, 512, 256, "fp8", 128),
+    (70, 1024, 256, "fp8", None),  # more rows than one program takes
+    (3, 4096, 128, "int8", None),  # split over the input rows
+    (2, 112, 96, "int8", 48),      # 16-row steps, blocks of 48 with a short last one
+]
+
+
+@pytest.mark.parametrize("rows,K,N,weights,block_in", CASES)
+def test_kernel_matches_reference_and_oracle(rows, K, N, weights, block_in):
+    values, scales = weight(K, N, weights, block_in)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(rows, K)), jnp.float32)
+    expected = oracle(x, values, scales, block_in)
+    got = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
+    reference = quantized_matmul_reference(x, values, scales, block_in)
+    assert got.shape == (rows, N) and got.dtype == jnp.float32
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * scale * np.sqrt(K / 256))
+    np.testing.assert_allclose(np.asarray(reference), expected, atol=2e-6 * scale * np.sqrt(K / 256))
+
+
+def test_bfloat16_rows_and_leading_axes():
+    values, scales = weight(512, 256, "int8", 128)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 512)), jnp.bfloat16)
+    got = quantized_matmul_pallas(x, values, scales, 128, interpret=True)
+    assert got.shape == (2, 3, 256) and got.dtype == jnp.bfloat16
+    expected = oracle(np.asarray(x, np.float32).reshape(6, 512), values, scales, 128).reshape(2, 3, 256)
+    np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block_in", [None, 128])
+def test_a_row_is_computed_alike_alone_or_in_a_block(block_in):
+    """A verify block's rows equal what single-row calls compute, bit for bit."""
+    values, scales = weight(1024, 256, "int8", block_in)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 1024)), jnp.float32)
+    block = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
+    for i in (0, 7, 15):
+        alone = quantized_matmul_pallas(x[i:i + 1], values, scales, block_in, interpret=True)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(block[i]))
+
+
+def test_tilings():
+    # Qwen3-8B's matrices: 128 x 128 tiles, splits bringing the programs near two per H200 SM
+    assert default_tiling(4096, 6144, 128) == Tiling(128, 128, 4)
+    assert default_tiling(12288, 4096, None) == Tiling(128, 128, 8)
+    assert default_tiling(4096, 24576, 128) == Tiling(128, 128, 1)
+    assert default_tiling(576, 1536, 128) == Tiling(64, 128, 1)  # nine steps: no even split
+    assert default_tiling(100, 128, None) is None  # no 16-row step divides 100: the reference computes it
+    values, scales = weight(100, 128, "int8", None)
+    x = jnp.ones((2, 100), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(quantized_matmul_pallas(x, values, scales, None, interpret=True)),
+                                  np.asarray(quantized_matmul_reference(x, values, scales, None)))
+    with pytest.raises(ValueError, match="does not divide"):
+        quantized_matmul_pallas(x, values, scales, None, tiling=Tiling(64, 128, 1), interpret=True)
+
+
+def test_kernels_choose_the_product():
+    assert Kernels().resolve().quantized == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    assert Kernels().resolve(mesh).quantized == "reference"  # a Pallas call XLA cannot partition
+    with pytest.raises(ValueError, match="on a mesh use quantized=reference"):
+        Kernels(quantized="pallas").resolve(mesh)
+    assert Kernels.parse("quantized=pallas").quantized_matmul(jax.lax.dot_general) is quantized_matmul_pallas
+    with pytest.raises(ValueError, match="the quantized kernel must be one of"):
+        Kernels(quantized="triton")
