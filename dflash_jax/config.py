@@ -17,7 +17,7 @@ from typing import Any
 from dflash_jax.quantization import QuantizationError, WeightQuantization, parse_quantization
 from pallas_kernels.attention_mask import LayerAttention
 
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -39,6 +39,19 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """Routed experts (Qwen3-MoE): a softmax router picks `top_k` of `num_experts` SwiGLU
+    experts per token, their outputs summed with the router's probabilities (renormalised over
+    the chosen ones when `norm_topk_prob`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # the decoder layers whose feed-forward is routed experts (the rest dense)
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     architecture: str
     vocab_size: int
@@ -56,10 +69,15 @@ class TargetConfig:
     mlp_bias: bool
     qk_norm: bool
     quantization: WeightQuantization | None = None  # 8-bit decoder-layer weights (None: float)
+    experts: ExpertsConfig | None = None  # routed experts in some layers (None: dense feed-forward only)
 
     @property
     def kind(self) -> str:
         return "target"
+
+    def layer_experts(self, layer: int) -> ExpertsConfig | None:
+        """Layer `layer`'s routed experts, or None where its feed-forward is dense."""
+        return self.experts if self.experts is not None and layer in self.experts.layers else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +148,17 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             f"unsupported target architecture {architecture!r}; supported targets are "
             f"{', '.join(TARGET_ARCHITECTURES)}."
         )
-    is_qwen3 = architecture == "Qwen3ForCausalLM"
+    is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if is_qwen3 and raw.get("use_sliding_window"):
         raise ConfigError(
             "Qwen3 targets with use_sliding_window=true are not supported; "
             "set it to false in config.json if the model was trained without it."
         )
+    num_layers = _required(raw, "num_hidden_layers")
+    experts = _experts(raw, num_layers) if architecture == "Qwen3MoeForCausalLM" else None
+    quantization = _quantization(raw)
+    if experts is not None and quantization is not None:
+        raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
     heads = _required(raw, "num_attention_heads")
@@ -145,7 +168,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         vocab_size=_required(raw, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_required(raw, "intermediate_size"),
-        num_layers=_required(raw, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or hidden // heads,
@@ -156,8 +179,28 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=is_qwen3,
-        quantization=_quantization(raw),
+        quantization=quantization,
+        experts=experts,
     )
+
+
+def _experts(raw: dict[str, Any], num_layers: int) -> ExpertsConfig | None:
+    """Qwen3-MoE's routed experts: layer i is sparse unless listed in `mlp_only_layers`, when
+    (i + 1) is a multiple of `decoder_sparse_step` (transformers' rule). None without experts."""
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
+    if not num_experts:
+        return None
+    top_k, step = raw.get("num_experts_per_tok"), raw.get("decoder_sparse_step", 1)
+    if not (isinstance(top_k, int) and 1 <= top_k <= num_experts):
+        raise ConfigError(f"num_experts_per_tok must be an integer in [1, num_experts = {num_experts}], "
+                          f"got {top_k!r}; fix config.json.")
+    if not (isinstance(step, int) and step >= 1):
+        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}; fix config.json.")
+    dense = set(raw.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return ExpertsConfig(num_experts=int(num_experts), top_k=top_k,
+                         intermediate_size=_required(raw, "moe_intermediate_size"),
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=layers)
 
 
 def _quantization(raw: dict[str, Any]) -> WeightQuantization | None:
@@ -366,6 +409,12 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             mlp_bias=cfg.mlp_bias,
             **common,
         )
+        if cfg.experts is not None:
+            moe = cfg.experts
+            raw.update(model_type="qwen3_moe", num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                       moe_intermediate_size=moe.intermediate_size, norm_topk_prob=moe.norm_topk_prob,
+                       decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe.layers])
     else:
         raw = dict(architectures=["DFlashDraftModel"], model_type="qwen3", **common)
         raw["dflash_config"] = dict(

@@ -287,13 +287,15 @@ class DecoderLayer(nnx.Module):
     """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`. The
     config's `quantization` makes its four products 8-bit (`QuantizedLinear`)."""
 
-    def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+        """`mlp`: the layer's feed-forward when it is not the dense SwiGLU (routed experts), any
+        module called as `mlp(x, kernels)`."""
         quantization = cfg.quantization
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs, quantization=quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs,
-                       quantization=quantization)
+        self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs,
+                              quantization=quantization)
 
     def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
         """(x, delta) -> (x', delta'). The layer's input is x + delta (delta None: x), summed by

@@ -33,23 +33,23 @@ MAX_BLOCK_ROWS = 64  # rows per program; larger calls get more programs along th
 MIN_TILE = 16  # Triton's smallest product tile
 
 
-def quantized_matmul_reference(x_TK, values_KN, scales_RN, block_in: int | None, dot_general=lax.dot_general):
+def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, dot_general=lax.dot_general):
     """x @ dequantized W in x's dtype (x [..., K]): the 8-bit values only converted (exactly:
     int8 and e4m3 fit in bfloat16; XLA fuses the conversion into the product's operand), float32
     products scaled per column, or per column and block of input rows (products of their own,
     summed after scaling). `dot_general`: `lax.dot_general`'s signature (the library passes the
     one its CPU products need)."""
-    values = values_KN.astype(x_TK.dtype)
+    values = values_IO.astype(x_TI.dtype)
     if block_in is None:
-        y = dot_general(x_TK, values, (((x_TK.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return (y * scales_RN[0]).astype(x_TK.dtype)
-    rows, (*lead, K) = scales_RN.shape[0], x_TK.shape
+        y = dot_general(x_TI, values, (((x_TI.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * scales[0]).astype(x_TI.dtype)
+    rows, (*lead, K) = scales.shape[0], x_TI.shape
     pad = rows * block_in - K
-    x_TRB = jnp.pad(x_TK.reshape(-1, K), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
-    values_RBN = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
-    y_RTN = dot_general(x_TRB, values_RBN, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-    y_TN = (y_RTN * scales_RN[:, None, :]).sum(axis=0)
-    return y_TN.reshape(*lead, -1).astype(x_TK.dtype)
+    x_blocks = jnp.pad(x_TI.reshape(-1, K), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
+    value_blocks = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
+    y_blocks = dot_general(x_blocks, value_blocks, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    y_TO = (y_blocks * scales[:, None, :]).sum(axis=0)
+    return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,19 +110,20 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
         o_ref[split, rows, cols] = acc
 
 
-def quantized_matmul_pallas(x_TK, values_KN, scales_RN, block_in: int | None, *, tiling: Tiling | None = None,
+def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, tiling: Tiling | None = None,
                             interpret: bool | None = None):
     """`quantized_matmul_reference` (same arguments and result) as one kernel: x [..., K] in a
-    float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32. A weight no tile
+    float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32 (R: 1, or one row
+    per block of `block_in` input rows). A weight no tile
     fits (K or N without a power-of-two divisor of 16 or more) takes the reference.
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
-    *lead, K = x_TK.shape
-    N = values_KN.shape[1]
+    *lead, K = x_TI.shape
+    N = values_IO.shape[1]
     tiling = tiling or default_tiling(K, N, block_in)
     if tiling is None:
-        return quantized_matmul_reference(x_TK, values_KN, scales_RN, block_in)
-    x_TK = x_TK.reshape(-1, K)
-    T = x_TK.shape[0]
+        return quantized_matmul_reference(x_TI, values_IO, scales, block_in)
+    x_TI = x_TI.reshape(-1, K)
+    T = x_TI.shape[0]
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):
         raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}); "
                          "use default_tiling(K, N, block_in).")
@@ -132,9 +133,9 @@ def quantized_matmul_pallas(x_TK, values_KN, scales_RN, block_in: int | None, *,
         quiet_triton_deprecation()
     block_m = min(max(next_pow2(T), MIN_TILE), MAX_BLOCK_ROWS)
     padded = -(-T // block_m) * block_m
-    x = jnp.pad(x_TK, ((0, padded - T), (0, 0)))
+    x = jnp.pad(x_TI, ((0, padded - T), (0, 0)))
     finish = tiling.splits == 1
-    out_shape = ((padded, N), x_TK.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
+    out_shape = ((padded, N), x_TI.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
                           block_in=block_in, finish=finish),
@@ -143,8 +144,8 @@ def quantized_matmul_pallas(x_TK, values_KN, scales_RN, block_in: int | None, *,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="quantized_matmul",
-    )(x, values_KN, scales_RN)
+    )(x, values_IO, scales)
     if finish:
         return out[:T].reshape(*lead, N)
     y = out[:, :T].sum(axis=0)
-    return (y * scales_RN[0] if block_in is None else y).astype(x_TK.dtype).reshape(*lead, N)
+    return (y * scales[0] if block_in is None else y).astype(x_TI.dtype).reshape(*lead, N)

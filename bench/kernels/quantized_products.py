@@ -7,11 +7,10 @@ For each decoder-layer matrix of the Qwen3-8B shape (`bench.shapes`: qkv [4096, 
 [4096, 4096], gate_up [4096, 24576], down [12288, 4096]) and M rows, chained over `--copies`
 distinct weights (so every matrix streams from HBM), times:
   - bf16: XLA's product of a bf16 weight (what 8 bits must beat);
-  - xla-int8 / xla-int8-b128: `quantization.quantized_product` (XLA, the conversion in the
+  - xla-int8 / xla-int8-b128: `quantized_matmul_reference` (XLA, the conversion in the
     product's operand), one scale per column / per 128 input rows;
-  - pallas-* / reduce-*: `pallas_kernels.quantized_matmul`'s product kernel (default tiling)
-    and its multiply-reduce kernel (M <= 4), and the tilings of `--sweep-dot` (at M = 16) and
-    `--sweep-reduce` (at M = 1), int8 with `--sweep-block`;
+  - pallas-*: `pallas_kernels.quantized_matmul` with its default tiling, and the tilings of
+    `--sweep` at the rows of `--sweep-rows`, int8 with `--sweep-block`;
   - none: the chain without a product (what each link costs besides its kernel).
 Reports us per matrix and the achieved read rate of its weight bytes (values + scales).
 """
@@ -49,8 +48,9 @@ def time_chain(fn, x, weights, reps):
 
 
 def main(argv=None):
-    from dflash_jax.quantization import WeightQuantization, quantize, quantized_product
-    from pallas_kernels.quantized_matmul import Tiling, default_tiling, quantized_matmul_pallas
+    from dflash_jax.quantization import WeightQuantization, quantize
+    from pallas_kernels.quantized_matmul import (Tiling, default_tiling, quantized_matmul_pallas,
+                                                 quantized_matmul_reference)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_output_arguments(parser, out_default="quantized_products.json")
@@ -58,10 +58,9 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--copies", type=int, default=12, help="distinct weights per matrix")
     parser.add_argument("--rows", default="1,16,64")
-    parser.add_argument("--sweep-dot", default="128,256:64,128:1,2,4,8:4:3",
-                        help="the product kernel's block_k : block_n : splits : warps : stages lists, tried at M = 16")
-    parser.add_argument("--sweep-reduce", default="32:256,512,1024:1,2,4,8:4,8:3",
-                        help="the multiply-reduce kernel's lists, tried at M = 1 ('' for none)")
+    parser.add_argument("--sweep", default="128,256:64,128:1,2,4,8:4:3",
+                        help="block_k : block_n : splits : warps : stages lists ('' for none)")
+    parser.add_argument("--sweep-rows", default="1,16", help="the rows M the sweep runs at")
     parser.add_argument("--sweep-block", type=int, default=128, help="the swept weights' input rows per scale (0: per column)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down")
     args = parser.parse_args(argv)
@@ -94,38 +93,31 @@ def main(argv=None):
             tag = f"{weights}{'-b128' if block else ''}"
             nb = K * N + ws[0][1].size * 4
             variants[f"xla-{tag}"] = (
-                lambda x, v, s, block=block: quantized_product(x, v, s, block, jax.lax.dot_general), ws, nb)
+                lambda x, v, s, block=block: quantized_matmul_reference(x, v, s, block), ws, nb)
             variants[f"pallas-{tag}"] = (
                 lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret), ws, nb)
-            variants[f"reduce-{tag}"] = (
-                lambda x, v, s, block=block: quantized_matmul_pallas(
-                    x, v, s, block, tiling=Tiling(32, 512, 4), reduce=True, interpret=interpret), ws, nb)
         for M in rows_list:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
             for variant, (fn, ws, nb) in variants.items():
-                if variant.startswith("reduce") and M > 4:
-                    continue
                 seconds = time_chain(fn, x, ws, args.reps)
                 tiling = default_tiling(K, N, 128 if "b128" in variant else None) if "pallas" in variant else None
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
                        tiling=tiling and list(tiling.__dict__.values()))
-        for kind, M, spec in (("dot", 16, args.sweep_dot), ("reduce", 1, args.sweep_reduce)):
-            if not spec:
-                continue
+        for M in [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
             block = args.sweep_block or None
             ws = quantized["int8", block]
             nb = K * N + ws[0][1].size * 4
             for bk, bn, splits, warps, stages in itertools.product(
-                    *[[int(v) for v in part.split(",")] for part in spec.split(":")]):
+                    *[[int(v) for v in part.split(",")] for part in args.sweep.split(":")]):
                 if N % bn or K % (bk * splits) or (block and block % bk):
                     continue
                 tiling = Tiling(bk, bn, splits, warps, stages)
-                fn = lambda x, v, s, block=block, tiling=tiling, kind=kind: quantized_matmul_pallas(
-                    x, v, s, block, tiling=tiling, reduce=kind == "reduce", interpret=interpret)
-                variant = f"sweep-{kind}{'-b128' if block else ''}"
+                fn = lambda x, v, s, block=block, tiling=tiling: quantized_matmul_pallas(
+                    x, v, s, block, tiling=tiling, interpret=interpret)
+                variant = f"sweep{'-b128' if block else ''}"
                 try:
                     seconds = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
@@ -142,11 +134,11 @@ def main(argv=None):
     best = {}
     for r in results:
         if r["variant"].startswith("sweep") and "us" in r:
-            k = (r["matrix"], r["variant"])
+            k = (r["matrix"], r["rows"], r["variant"])
             best[k] = min(best.get(k, r), r, key=lambda t: t["us"])
     print("\nbest sweep tilings:")
-    for (matrix, variant), r in best.items():
-        print(f"  {matrix:<8} {variant:<18} {r['us']:8.1f} us {r['TBps']:6.2f} TB/s {r['tiling']}")
+    for (matrix, rows, variant), r in best.items():
+        print(f"  {matrix:<8} {rows:>3} {variant:<12} {r['us']:8.1f} us {r['TBps']:6.2f} TB/s {r['tiling']}")
     return 0
 
 

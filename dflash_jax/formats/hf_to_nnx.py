@@ -118,14 +118,14 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             array = hf_scales(array, cfg.quantization, rule.part_shape(abstract.shape)[-1])
         array = xp.asarray(array)
         array = (array.T if rule.transpose else array).astype(abstract.dtype)
-        if rule.columns is not None:  # a column block of a fused parameter: fill it in place
+        if rule.columns is not None or rule.expert is not None:  # a piece of a fused parameter: fill it in place
             whole = _get_or_none(params, rule.path)
             if whole is None:
                 whole = xp.zeros(abstract.shape, abstract.dtype)
             if mesh is None:
-                array = whole.at[..., rule.columns[0] : rule.columns[1]].set(array)
+                array = whole.at[rule.region].set(array)
             else:
-                whole[..., rule.columns[0] : rule.columns[1]] = array
+                whole[rule.region] = array
                 array = whole
         set_path(params, rule.path, array)
     if mesh is not None:
@@ -214,6 +214,8 @@ def _quantized(raw_config: dict, model, quantization: WeightQuantization):
     """(config.json naming the quantization, the model with 8-bit weights in its products)."""
     if model.cfg.quantization is not None:
         raise ConversionError("this checkpoint's weights are 8-bit already and stay so; convert it without --quantize.")
+    if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
+        raise ConversionError("8-bit mixture-of-experts targets are not supported yet; convert without --quantize.")
     return {**raw_config, "quantization_config": quantization.to_config()}, quantize_model(model, quantization)
 
 

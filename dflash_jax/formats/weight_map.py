@@ -3,7 +3,8 @@
 Each rule says where a HF tensor goes in the NNX parameter tree, whether it is a PyTorch
 `Linear` weight (`[out, in]`, transposed to our `[in, out]` kernels), and, for a fused
 parameter, which columns (last-axis range) it fills: HF's q_proj, k_proj and v_proj are the
-three column blocks of our `qkv_proj`, gate_proj and up_proj the two of `gate_up_proj`.
+three column blocks of our `qkv_proj`, gate_proj and up_proj the two of `gate_up_proj`; an
+expert's tensors fill one index of the experts' stacked parameters.
 Shapes are checked against the model built from the config, so the tables hold no shapes of
 their own.
 """
@@ -14,7 +15,7 @@ import dataclasses
 import functools
 import re
 
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, ExpertsConfig, TargetConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +25,20 @@ class WeightRule:
     transpose: bool
     columns: tuple[int, int] | None = None  # [start, stop) of the parameter's last axis; None: all
     scales: bool = False  # a quantized weight's scale tensor (`quantization.hf_scales` lays it out)
+    expert: int | None = None  # the index of the parameter's first (experts) axis it fills; None: all
+
+    @property
+    def region(self) -> tuple:
+        """The index of this rule's piece within its (our-layout) parameter."""
+        lead = () if self.expert is None else (self.expert,)
+        return (*lead, Ellipsis, slice(*self.columns) if self.columns is not None else slice(None))
 
     def part(self, param):
         """This rule's piece of the (our-layout) parameter `param`."""
-        return param if self.columns is None else param[..., self.columns[0] : self.columns[1]]
+        return param[self.region]
 
     def part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = shape if self.expert is None else shape[1:]
         return shape if self.columns is None else (*shape[:-1], self.columns[1] - self.columns[0])
 
 
@@ -51,7 +60,8 @@ def _norm(hf_prefix: str, path: tuple) -> WeightRule:
     return WeightRule(f"{hf_prefix}.weight", (*path, "weight"), False)
 
 
-def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
+def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
+                   experts: ExpertsConfig | None = None):
     rules = [
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
@@ -66,6 +76,8 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
     rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
     if qk_norm:
         rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
+    if experts is not None:
+        return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
     inter = cfg.intermediate_size
     for proj, start in (("gate_proj", 0), ("up_proj", inter)):
         rules += linear(f"{hf}.mlp.{proj}", (*path, "mlp", "gate_up_proj"), bias=mlp_bias,
@@ -74,11 +86,26 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool):
     return rules
 
 
+def _routed_experts(hf: str, path: tuple, experts: ExpertsConfig) -> list[WeightRule]:
+    """Qwen3-MoE's `gate` (the router) and per-expert `experts.{e}.{gate,up,down}_proj`."""
+    rules = [WeightRule(f"{hf}.gate.weight", (*path, "router", "kernel"), True)]
+    inter = experts.intermediate_size
+    for e in range(experts.num_experts):
+        rules += [
+            WeightRule(f"{hf}.experts.{e}.gate_proj.weight", (*path, "gate_up"), True, (0, inter), expert=e),
+            WeightRule(f"{hf}.experts.{e}.up_proj.weight", (*path, "gate_up"), True, (inter, 2 * inter), expert=e),
+            WeightRule(f"{hf}.experts.{e}.down_proj.weight", (*path, "down"), True, expert=e),
+        ]
+    return rules
+
+
 def target_rules(cfg: TargetConfig) -> list[WeightRule]:
-    """`Qwen3ForCausalLM` / `LlamaForCausalLM` names (`model.` prefix, `lm_head` unless tied)."""
+    """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `LlamaForCausalLM` names (`model.` prefix,
+    `lm_head` unless tied)."""
     rules = [WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_layers):
-        rules += _decoder_layer(f"model.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm)
+        rules += _decoder_layer(f"model.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm,
+                                experts=cfg.layer_experts(i))
     rules.append(_norm("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)

@@ -34,6 +34,8 @@ def quantize_model(model: Target | Drafter, quantization: WeightQuantization) ->
         raise ValueError("this model's weights are 8-bit already; quantize its float original instead.")
     if model.mesh is not None:
         raise ValueError("quantize a model loaded without a mesh, then place it on the mesh.")
+    if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
+        raise ValueError("8-bit mixture-of-experts targets are not supported yet; keep this target's float weights.")
     cfg = dataclasses.replace(model.cfg, quantization=quantization)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 

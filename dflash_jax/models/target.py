@@ -1,6 +1,8 @@
-"""The target model: Qwen3 (q/k norm) and Llama (llama3 RoPE, tied embeddings) in Flax NNX.
+"""The target model: Qwen3 (q/k norm), Qwen3-MoE (routed experts in some layers) and Llama
+(llama3 RoPE, tied embeddings) in Flax NNX.
 
-One class covers both: they differ only in the per-head q/k RMSNorm and in config values.
+One class covers all three: they differ in the per-head q/k RMSNorm, each layer's
+feed-forward (dense or routed experts, `TargetConfig.layer_experts`) and config values.
 Attention is delegated to an `attend(layer_idx, heads)` callable (`layers.AttendFn`) so that
 the dense path and the paged runtime share these layers; a layer never sees a cache.
 """
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.experts import RoutedExperts
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear, logical
 from dflash_jax.sharding import replicated
@@ -38,9 +41,13 @@ class Target(nnx.Module):
             embedding_init=logical(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
+        def feed_forward(layer: int):  # None: the dense SwiGLU
+            experts = cfg.layer_experts(layer)
+            return None if experts is None else RoutedExperts(cfg.hidden_size, experts, dtype=dtype, rngs=rngs)
+
         self.layers = nnx.List([
-            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-            for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, mlp=feed_forward(i))
+            for i in range(cfg.num_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         if not cfg.tie_word_embeddings:

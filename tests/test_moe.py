@@ -1,0 +1,128 @@
+"""Qwen3-MoE targets: a tiny transformers model (routed experts in two layers, a dense one
+between them) converted with the CLI and loaded on the fly computes transformers' logits and
+hidden states; greedy DFlash on it equals its greedy autoregressive decoding and
+transformers' greedy `generate`, in `generate` and in the Engine; export gives the HF
+checkpoint back; malformed configs are refused with the reason."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import dflash_jax
+from conftest import drafter_config_dict, make_zlab_drafter, randomize_norms, rel_err, save_hf
+from dflash_jax.cli import main
+from dflash_jax.config import ConfigError, parse_config
+from dflash_jax.formats.export_hf import export_hf
+from dflash_jax.generate import generate, generate_autoregressive
+from test_generate import PROMPTS, hf_greedy
+
+IDS = np.random.default_rng(0).integers(0, 96, 40)
+
+
+MOE_CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                  norm_topk_prob=True, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def raw_config(**changes) -> dict:
+    """The tiny model's config.json as transformers writes it, with `changes` (None: drop)."""
+    raw = {**transformers.Qwen3MoeConfig(**MOE_CONFIG).to_dict(), "architectures": ["Qwen3MoeForCausalLM"], **changes}
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def make_hf_moe(seed=0):
+    """A tiny random Qwen3-MoE in float32: 8 experts, top 2, layers 0 and 2 sparse, layer 1
+    dense; a sharp router (so tokens really pick different experts) and an LM head dominated
+    by two tokens (so a random drafter's guesses are often right)."""
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE_CONFIG))
+    randomize_norms(hf, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5, generator=gen)
+        hf.lm_head.weight.mul_(0.05)
+        for token in (10, 20):
+            direction = torch.randn(MOE_CONFIG["hidden_size"], generator=gen)
+            hf.lm_head.weight[token] += 6 * direction / direction.norm()
+    return hf.float().eval()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(transformers model, its folder, the CLI-converted target, a drafter for it)."""
+    tmp = tmp_path_factory.mktemp("moe")
+    hf = make_hf_moe()
+    folder = save_hf(hf, tmp / "hf")
+    assert main(["convert", folder, str(tmp / "converted")]) == 0
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
+    return hf, folder, dflash_jax.load_target(tmp / "converted"), drafter
+
+
+def test_config_names_the_sparse_layers():
+    cfg = parse_config(raw_config())  # written by transformers 5 as num_local_experts
+    assert cfg.experts.layers == (0, 2) and cfg.experts.top_k == 2 and cfg.experts.num_experts == 8
+    assert cfg.layer_experts(1) is None and cfg.layer_experts(2) == cfg.experts
+
+
+def test_logits_and_hidden_states_match_transformers(moe):
+    hf, folder, converted, _ = moe
+    with torch.no_grad():
+        out = hf(torch.tensor(IDS)[None], output_hidden_states=True)
+    for target in (converted, dflash_jax.load_target(folder)):
+        logits, features = dflash_jax.target_forward(target, IDS, layer_ids=(1, 0))  # a dense and a sparse layer
+        assert rel_err(logits, out.logits[0].numpy()) <= 1e-5
+        expected = np.concatenate([out.hidden_states[2][0].numpy(), out.hidden_states[1][0].numpy()], axis=-1)
+        assert rel_err(features, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_greedy_dflash_equals_autoregressive_and_transformers(moe):
+    hf, _, target, drafter = moe
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=16)
+    assert ar.token_ids == [hf_greedy(hf, p, 16) for p in PROMPTS]
+    spec = generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4)
+    assert spec.token_ids == ar.token_ids
+    lengths = [n for per_request in spec.accepted_lengths for n in per_request]
+    assert any(n > 1 for n in lengths) and any(n < 4 for n in lengths)  # blocks partly accepted
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
+    ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=16)) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i) for i in ids] == ar.token_ids
+
+
+def test_export_gives_the_checkpoint_back(moe, tmp_path):
+    hf, _, target, _ = moe
+    export_hf(target, tmp_path / "exported")
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [1]
+    again = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "exported").float().eval()
+    with torch.no_grad():
+        assert rel_err(again(torch.tensor(IDS)[None]).logits[0].numpy(),
+                       hf(torch.tensor(IDS)[None]).logits[0].numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok must be an integer in \\[1, num_experts = 8\\]"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+    ({"moe_intermediate_size": None}, "config.json has no 'moe_intermediate_size'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "8-bit mixture-of-experts targets are not supported yet"),
+])
+def test_malformed_configs_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw_config(**change))
+
+
+def test_quantizing_a_moe_target_is_refused_and_writes_nothing(moe, tmp_path, capsys):
+    _, folder, _, _ = moe
+    assert main(["convert", folder, str(tmp_path / "q"), "--quantize", "int8"]) == 2
+    assert "8-bit mixture-of-experts targets are not supported yet" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
