@@ -11,6 +11,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.experts import RoutedExperts
 from dflash_jax.layers import MLP, Attention
 from dflash_jax.models import Drafter, Target, abstract_model
 from dflash_jax.shard_layout import sharded_config, to_shard_layout
@@ -46,6 +47,8 @@ def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Me
         for _, module in nnx.iter_graph(model):
             if isinstance(module, (Attention, MLP)):
                 module.shards = shards
+            elif isinstance(module, RoutedExperts):
+                module.mesh = mesh
     return model
 
 

@@ -8,6 +8,7 @@ once per shard under `shard_map` (`per_shard`); the rest is left to XLA's partit
 puts one all-reduce after each row-parallel product (o_proj, down_proj, the drafter's fc).
 
     q/k/v, gate/up  column-parallel ("qkv_heads", "mlp" on their output axis)
+    routed experts  expert-parallel ("experts": each device holds its share, sees every token)
     o, down, fc     row-parallel ("q_heads", "mlp" on their input axis)
     embedding, head vocab-sharded ("vocab"); greedy argmaxes combine per-shard (max, index)
     norms, biases of row-parallel products   replicated
@@ -23,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA, MODEL = "data", "model"
 # The logical axes (layers.py) split over "model"; every other axis is replicated.
-MODEL_AXES = frozenset({"vocab", "q_heads", "qkv_heads", "mlp"})
+MODEL_AXES = frozenset({"vocab", "q_heads", "qkv_heads", "mlp", "experts"})
 # A layer's heads [T, heads, H] and kv cache [slots, kv heads, H], split by head.
 HEADS = PartitionSpec(None, MODEL, None)
 

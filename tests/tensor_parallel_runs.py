@@ -203,6 +203,24 @@ def quantized() -> dict:
     return out
 
 
+def moe() -> dict:
+    """Greedy tokens of a Qwen3-MoE target (8 experts, top 2; layer 1 dense) at TP 1, 2 and 4
+    (experts split over "model") and its autoregressive tokens at TP 1; where its experts live."""
+    cfg = parse_config(dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+    ))
+    out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=10).token_ids}
+    for tp in (1, 2, 4):
+        target, drafter = models(cfg, tp)
+        spec = generate(target, drafter, PROMPTS, max_new_tokens=10)
+        out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
+        out[f"{tp}/spec"] = list(target.layers[0].mlp.gate_up[...].sharding.spec) if tp > 1 else None
+    return out
+
+
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
@@ -221,7 +239,7 @@ def cli(*argv: str) -> dict:
     return {"status": main(["generate", *argv])}
 
 
-CASES = {"greedy": greedy, "quantized": quantized, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
+CASES = {"greedy": greedy, "quantized": quantized, "moe": moe, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

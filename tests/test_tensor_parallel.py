@@ -56,6 +56,16 @@ def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[f"{name}/4"] == out[f"{name}/1"], name
 
 
+@pytest.mark.slow
+def test_moe_targets_decode_alike_with_experts_split_over_the_mesh():
+    out = run_case("moe")
+    assert out["1"][0] == out["ar"]
+    for tp in ("2", "4"):
+        assert out[tp] == out["1"], tp
+        assert out[f"{tp}/spec"] == ["model", None, None]  # each device holds its share of the experts
+    assert any(n > 1 for lengths in out["1"][1] for n in lengths)
+
+
 def test_compiled_step_has_two_all_reduces_per_layer_and_no_weight_gather():
     """At TP 4 the target's step holds one all-reduce after attention and one after the MLP per
     layer, plus the embedding lookup's; its only gathers are the greedy argmax's per-shard
