@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.quantization import QuantizationError, WeightQuantization, parse_quantization
-from pallas_kernels.attention_mask import LayerAttention
+from pallas_kernels.attention_mask import CAUSAL, LayerAttention
 
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM")
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -49,6 +49,14 @@ class ExpertsConfig:
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
     layers: tuple[int, ...]  # the decoder layers whose feed-forward is routed experts (the rest dense)
+    # gpt-oss: the router's top k logits softmaxed (not the softmax's top k), biases on the
+    # router and the experts, gate and up columns interleaved, and a clamped SwiGLU
+    # (gate * sigmoid(alpha * gate) * (up + 1), gate <= limit, |up| <= limit)
+    softmax_after_top_k: bool = False
+    bias: bool = False
+    interleaved: bool = False
+    swiglu_alpha: float | None = None  # None: silu(gate) * up
+    swiglu_limit: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +78,16 @@ class TargetConfig:
     qk_norm: bool
     quantization: WeightQuantization | None = None  # 8-bit decoder-layer weights (None: float)
     experts: ExpertsConfig | None = None  # routed experts in some layers (None: dense feed-forward only)
+    attention_layers: tuple[LayerAttention, ...] = ()  # per layer (gpt-oss's windows); (): all causal
+    attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
     @property
     def kind(self) -> str:
         return "target"
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """How layer `layer` attends: causal, with its window where it has one."""
+        return self.attention_layers[layer] if self.attention_layers else CAUSAL
 
     def layer_experts(self, layer: int) -> ExpertsConfig | None:
         """Layer `layer`'s routed experts, or None where its feed-forward is dense."""
@@ -155,11 +169,12 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             "set it to false in config.json if the model was trained without it."
         )
     num_layers = _required(raw, "num_hidden_layers")
-    experts = _experts(raw, num_layers) if architecture == "Qwen3MoeForCausalLM" else None
+    gpt_oss = architecture == "GptOssForCausalLM"
+    experts = _experts(raw, num_layers, gpt_oss) if architecture != "LlamaForCausalLM" else None
     quantization = _quantization(raw)
     if experts is not None and quantization is not None:
         raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") != "silu" and architecture != "GptOssForCausalLM":
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
     heads = _required(raw, "num_attention_heads")
     hidden = _required(raw, "hidden_size")
@@ -173,20 +188,33 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=parse_rope(raw, default_theta=1e6 if is_qwen3 else 1e4),
+        rope=parse_rope(raw, default_theta=1e6 if is_qwen3 else 1e4 if not gpt_oss else 15e4),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        attention_bias=bool(raw.get("attention_bias", gpt_oss)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=is_qwen3,
         quantization=quantization,
         experts=experts,
+        attention_layers=_target_layer_attention(raw, num_layers) if gpt_oss else (),
+        attention_sinks=gpt_oss,
     )
 
 
-def _experts(raw: dict[str, Any], num_layers: int) -> ExpertsConfig | None:
-    """Qwen3-MoE's routed experts: layer i is sparse unless listed in `mlp_only_layers`, when
-    (i + 1) is a multiple of `decoder_sparse_step` (transformers' rule). None without experts."""
+def _target_layer_attention(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
+    """Causal layers, the `sliding_attention` ones of `layer_types` windowed by `sliding_window`."""
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"layer_types must give full_attention or sliding_attention for each of the {num_layers} "
+                          f"layers, got {layer_types!r}.")
+    return tuple(LayerAttention(causal=True, window=_positive_window(raw, "sliding_window")
+                                if kind == "sliding_attention" else None) for kind in layer_types)
+
+
+def _experts(raw: dict[str, Any], num_layers: int, gpt_oss: bool) -> ExpertsConfig | None:
+    """Routed experts. Qwen3-MoE: layer i is sparse unless listed in `mlp_only_layers`, when
+    (i + 1) is a multiple of `decoder_sparse_step` (transformers' rule); gpt-oss: every layer,
+    its router and SwiGLU as `ExpertsConfig` says. None without experts."""
     num_experts = raw.get("num_experts", raw.get("num_local_experts", 0))
     if not num_experts:
         return None
@@ -196,6 +224,11 @@ def _experts(raw: dict[str, Any], num_layers: int) -> ExpertsConfig | None:
                           f"got {top_k!r}; fix config.json.")
     if not (isinstance(step, int) and step >= 1):
         raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}; fix config.json.")
+    if gpt_oss:
+        return ExpertsConfig(num_experts=int(num_experts), top_k=top_k, intermediate_size=_required(raw, "intermediate_size"),
+                             norm_topk_prob=False, layers=tuple(range(num_layers)), softmax_after_top_k=True, bias=True,
+                             interleaved=True, swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                             swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     dense = set(raw.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     return ExpertsConfig(num_experts=int(num_experts), top_k=top_k,
@@ -409,7 +442,13 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             mlp_bias=cfg.mlp_bias,
             **common,
         )
-        if cfg.experts is not None:
+        if cfg.attention_sinks:  # gpt-oss
+            moe, windows = cfg.experts, {layer.window for layer in cfg.attention_layers} - {None}
+            raw.update(model_type="gpt_oss", num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                       swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                       layer_types=["sliding_attention" if layer.window else "full_attention"
+                                    for layer in cfg.attention_layers], sliding_window=max(windows, default=None))
+        elif cfg.experts is not None:
             moe = cfg.experts
             raw.update(model_type="qwen3_moe", num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                        moe_intermediate_size=moe.intermediate_size, norm_topk_prob=moe.norm_topk_prob,

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dflash_jax.attention import dense_attention
+from dflash_jax.attention import dense_attention, target_attend
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.kernels import Kernels
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
-from pallas_kernels.attention_mask import CAUSAL, position_mask
+from pallas_kernels.attention_mask import position_mask
 from pallas_kernels.common import next_pow2
 
 MIN_LENGTH_BUCKET = 16
@@ -65,12 +65,8 @@ def target_forward(target: Target, token_ids, *, layer_ids: Sequence[int] = (), 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "kernels"))
 def _target_forward(target, ids_T, layer_ids, kernels):
     positions_T = jnp.arange(ids_T.shape[0], dtype=jnp.int32)
-    mask_TT = position_mask(positions_T, positions_T, CAUSAL)
-
-    def attend(layer_idx, q, k, v):
-        return dense_attention(q, k, v, mask_TT)
-
-    hidden_TD, features_TF = target(ids_T, positions_T, finishing(attend), layer_ids=layer_ids, kernels=kernels)
+    attend = target_attend(target.cfg, positions_T)
+    hidden_TD, features_TF = target(ids_T, positions_T, attend, layer_ids=layer_ids, kernels=kernels)
     return target.unembed(hidden_TD), features_TF
 
 

@@ -29,64 +29,93 @@ from dflash_jax.sharding import MODEL, tensor_parallel_size
 
 def route(router_logits, experts: ExpertsConfig, dtype):
     """(weights [T, top_k] in `dtype`, expert ids [T, top_k]) from the router's logits [T,
-    num_experts]: the softmax's top k in float32, renormalised over them when the config says
-    so (transformers' Qwen3-MoE router)."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, expert_ids = jax.lax.top_k(probs, experts.top_k)
+    num_experts], in float32: Qwen3-MoE's softmax then its top k (renormalised over them when
+    `norm_topk_prob`), or gpt-oss's top k logits then their softmax."""
+    logits = router_logits.astype(jnp.float32)
+    if experts.softmax_after_top_k:
+        top, expert_ids = jax.lax.top_k(logits, experts.top_k)
+        return jax.nn.softmax(top, axis=-1).astype(dtype), expert_ids
+    weights, expert_ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), experts.top_k)
     if experts.norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights.astype(dtype), expert_ids
 
 
-def experts_product(x_TD, gate_up, down, weights, expert_ids):
-    """sum over k of weights[t, k] * down(silu(gate) * up) of expert expert_ids[t, k] at x[t].
-    `gate_up` [experts, D, 2 * inter] ([gate | up] columns), `down` [experts, inter, D];
-    `weights`, `expert_ids` [T, top_k]. The (token, expert) pairs are sorted by expert, each
-    expert's rows one group of `ragged_dot`, and the weighted rows summed back per token in
-    float32. An id equal to the number of experts (an expert another shard holds) adds nothing."""
+def swiglu(pairs, experts: ExpertsConfig):
+    """The experts' activation of their gate and up columns ([gate | up], or interleaved)."""
+    width = pairs.shape[-1]
+    if experts.interleaved:
+        gate, up = pairs[:, 0::2], pairs[:, 1::2]
+    else:
+        gate, up = pairs[:, : width // 2], pairs[:, width // 2:]
+    if experts.swiglu_alpha is None:
+        return jax.nn.silu(gate) * up
+    limit = experts.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * experts.swiglu_alpha))
+
+
+def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig):
+    """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
+    "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
+    "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`
+    [T, top_k]. The (token, expert) pairs are sorted by expert, each expert's rows one group
+    of `ragged_dot`, and the weighted rows summed back per token in float32. An id equal to
+    the number of experts (one another shard holds) adds nothing."""
     T, top_k = expert_ids.shape
-    num_experts, _, width = gate_up.shape
+    num_experts = params["gate_up"].shape[0]
     order = jnp.argsort(expert_ids.reshape(-1), stable=True)
-    token_of = order // top_k
+    token_of, sorted_ids = order // top_k, expert_ids.reshape(-1)[order]
     # ids past the last expert (another shard's) sort last, outside every group: zero rows
     group_sizes = jnp.bincount(expert_ids.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    pairs = jax.lax.ragged_dot(x_TD[token_of], gate_up, group_sizes, preferred_element_type=jnp.float32)
-    pairs = pairs.astype(x_TD.dtype)
-    hidden = jax.nn.silu(pairs[:, : width // 2]) * pairs[:, width // 2:]
-    out = jax.lax.ragged_dot(hidden, down, group_sizes, preferred_element_type=jnp.float32).astype(x_TD.dtype)
-    weights = jnp.where(expert_ids < num_experts, weights, 0).reshape(-1)[order]
+
+    def product(rows, name):
+        out = jax.lax.ragged_dot(rows, params[name], group_sizes, preferred_element_type=jnp.float32)
+        if experts.bias:
+            out = out + params[f"{name}_bias"][jnp.minimum(sorted_ids, num_experts - 1)].astype(jnp.float32)
+        return out.astype(x_TD.dtype)
+
+    out = product(swiglu(product(x_TD[token_of], "gate_up"), experts), "down")
+    weights = jnp.where(sorted_ids < num_experts, weights.reshape(-1)[order], 0)
     out = (out * weights[:, None]).astype(jnp.float32)
     return jnp.zeros((T, out.shape[-1]), jnp.float32).at[token_of].add(out).astype(x_TD.dtype)
 
 
 class RoutedExperts(nnx.Module):
     """A decoder layer's sparse feed-forward: the router `[D, E]`, each expert's gate and up
-    as one matrix `[E, D, 2I]` ([gate | up] columns) and its down `[E, I, D]`."""
+    as one matrix `[E, D, 2I]` and its down `[E, I, D]` (gpt-oss: with biases)."""
 
     def __init__(self, hidden: int, experts: ExpertsConfig, *, dtype, rngs: nnx.Rngs):
         self.experts = experts
         self.mesh = None  # set where the model is placed on a mesh: the experts are split over "model"
         E, inter = experts.num_experts, experts.intermediate_size
-        self.router = linear(hidden, E, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
+        self.router = linear(hidden, E, ("embed", None), use_bias=experts.bias, dtype=dtype, rngs=rngs)
         init = nnx.initializers.normal(0.02)
-        axes = ("experts", None, None)
-        self.gate_up = nnx.Param(init(rngs.params(), (E, hidden, 2 * inter), dtype), out_sharding=axes,
-                                 eager_sharding=False)
-        self.down = nnx.Param(init(rngs.params(), (E, inter, hidden), dtype), out_sharding=axes, eager_sharding=False)
+
+        def param(*shape):  # split over "model" by expert
+            return nnx.Param(init(rngs.params(), (E, *shape), dtype), out_sharding=("experts",) + (None,) * len(shape),
+                             eager_sharding=False)
+
+        self.gate_up, self.down = param(hidden, 2 * inter), param(inter, hidden)
+        if experts.bias:
+            self.gate_up_bias, self.down_bias = param(2 * inter), param(hidden)
 
     def __call__(self, x_TD, kernels: Kernels = REFERENCE):
         router_logits = dot_general(x_TD, self.router.kernel[...], (((1,), (0,)), ((), ())))
+        if self.experts.bias:
+            router_logits = router_logits + self.router.bias[...]
         weights, expert_ids = route(router_logits, self.experts, x_TD.dtype)
-        gate_up, down = self.gate_up[...], self.down[...]
+        names = ("gate_up", "down", "gate_up_bias", "down_bias") if self.experts.bias else ("gate_up", "down")
+        params = {name: getattr(self, name)[...] for name in names}
         if self.mesh is None or self.experts.num_experts % tensor_parallel_size(self.mesh):
-            return experts_product(x_TD, gate_up, down, weights, expert_ids)
+            return experts_product(x_TD, params, weights, expert_ids, self.experts)
 
-        def local(x_TD, gate_up, down, weights, expert_ids):  # this shard's experts; the others' pairs dropped
-            held = gate_up.shape[0]
+        def local(x_TD, params, weights, expert_ids):  # this shard's experts; the others' pairs dropped
+            held = params["gate_up"].shape[0]
             ids = expert_ids - jax.lax.axis_index(MODEL) * held
             ids = jnp.where((ids >= 0) & (ids < held), ids, held)
-            return jax.lax.psum(experts_product(x_TD, gate_up, down, weights, ids), MODEL)
+            return jax.lax.psum(experts_product(x_TD, params, weights, ids, self.experts), MODEL)
 
         split, whole = PartitionSpec(MODEL), PartitionSpec()
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(whole, split, split, whole, whole), out_specs=whole,
-                             check_vma=False)(x_TD, gate_up, down, weights, expert_ids)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(whole, split, whole, whole), out_specs=whole,
+                             check_vma=False)(x_TD, params, weights, expert_ids)

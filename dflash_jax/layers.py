@@ -201,7 +201,8 @@ class Attention(nnx.Module):
     and `o_proj` takes the result back to the model dimension.
     """
 
-    def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs, quantization: WeightQuantization | None = None):
+    def __init__(self, cfg, *, qk_norm: bool, dtype, rngs: nnx.Rngs, quantization: WeightQuantization | None = None,
+                 sinks: bool = False):
         self.cfg = cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
@@ -218,6 +219,12 @@ class Attention(nnx.Module):
         if qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
+        if sinks:  # gpt-oss: a learned logit per query head in each softmax's denominator
+            self.sinks = nnx.Param(jnp.zeros((n,), dtype), out_sharding=("q_heads",), eager_sharding=False)
+
+    def sinks_U(self):
+        """The attention sinks [U] (this shard's heads' on a mesh), or None."""
+        return self.sinks[...] if hasattr(self, "sinks") else None
 
     def finish_kv(self, k_TKH, v_TKH, positions_T):
         """k_norm + RoPE on projected keys; also the drafter's fused context path."""
@@ -287,12 +294,14 @@ class DecoderLayer(nnx.Module):
     """Pre-norm attention + SwiGLU MLP; attention itself goes through `attend(heads)`. The
     config's `quantization` makes its four products 8-bit (`QuantizedLinear`)."""
 
-    def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+    def __init__(self, cfg, *, qk_norm: bool, mlp_bias: bool, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None,
+                 sinks: bool = False):
         """`mlp`: the layer's feed-forward when it is not the dense SwiGLU (routed experts), any
-        module called as `mlp(x, kernels)`."""
+        module called as `mlp(x, kernels)`; `sinks`: attention sinks (gpt-oss)."""
         quantization = cfg.quantization
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs, quantization=quantization)
+        self.self_attn = Attention(cfg, qk_norm=qk_norm, dtype=dtype, rngs=rngs, quantization=quantization,
+                                   sinks=sinks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=mlp_bias, dtype=dtype, rngs=rngs,
                               quantization=quantization)

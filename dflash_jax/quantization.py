@@ -98,6 +98,8 @@ def parse_quantization(raw: dict[str, Any] | None) -> WeightQuantization | None:
         return _compressed_tensors(raw)
     if method == GGUF_Q8_0_METHOD:
         return GGUF_Q8_0
+    if method == "mxfp4":  # gpt-oss's experts: dequantized at conversion (`hf_reader.mxfp4_dequantized`)
+        return None
     raise QuantizationError(f"quantization method {method!r} is not supported; supported are Qwen-style fp8, "
                             "compressed-tensors fp8, and float checkpoints (convert --quantize int8|fp8).")
 

@@ -22,7 +22,6 @@ from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.layers import ProjectedHeads
 from dflash_jax.models import Drafter, Target
 from dflash_jax.sharding import per_shard
-from pallas_kernels.attention_mask import CAUSAL
 from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
 
@@ -57,7 +56,8 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     def attend(layer, heads):
         nonlocal cache
         out_TUH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
-                                      page_table=batch.page_table, seq_lens_R=seq_lens_R, rule=CAUSAL)
+                                      page_table=batch.page_table, seq_lens_R=seq_lens_R,
+                                      rule=target.cfg.layer_attention(layer))
         return out_TUH
 
     with jax.named_scope("target"):
@@ -77,17 +77,22 @@ def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, k
     num_heads, group = attention.cfg.num_heads // attention.shards, attention.cfg.num_heads // attention.cfg.num_kv_heads
     shared = (slots_T, cos_TZ, sin_TZ, q_weight_H, k_weight_H, heads.positions_T, q_rows_T, page_table, seq_lens_R)
 
-    def local(qkv_TYH, k_XKH, v_XKH, shared):
+    sinks_U = attention.sinks_U()
+
+    def local(qkv_TYH, k_XKH, v_XKH, *rest):
+        *sinks_1U1, shared = rest  # a shard's sinks as [1, U, 1]: split by head like the heads
         slots_T, cos_TZ, sin_TZ, q_weight_H, k_weight_H, positions_T, q_rows_T, page_table, seq_lens_R = shared
         q_TUH, k_XKH, v_XKH = kernels.finish_heads(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T,
                                                    k_XKH, v_XKH, num_heads=num_heads)
         paged_attention = kernels.paged_attention(q_rows_T, num_rows=page_table.shape[0], group=group,
                                                   dtype=q_TUH.dtype)
         out_TUH = paged_attention(q_TUH, positions_T, q_rows_T, k_XKH, v_XKH, page_table, seq_lens_R,
-                                  page_size=cache.page_size, rule=rule)
+                                  page_size=cache.page_size, rule=rule,
+                                  sinks_U=sinks_1U1[0].reshape(-1) if sinks_1U1 else None)
         return out_TUH, k_XKH, v_XKH
 
-    out_TUH, k_XKH, v_XKH = per_shard(mesh, local, 3)(heads.qkv_TYH, cache.k[layer], cache.v[layer], shared)
+    split = (heads.qkv_TYH, cache.k[layer], cache.v[layer]) + (() if sinks_U is None else (sinks_U.reshape(1, -1, 1),))
+    out_TUH, k_XKH, v_XKH = per_shard(mesh, local, len(split))(*split, shared)
     return out_TUH, cache.with_layer(layer, k_XKH, v_XKH)
 
 

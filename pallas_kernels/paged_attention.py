@@ -91,6 +91,7 @@ class _Config:
     kv_splits: int
     num_programs: int
     f32: bool            # inputs are float32: IEEE dots
+    sinks: bool = False  # a logit per query head in the softmax's denominator (gpt-oss)
 
     @property
     def group(self):
@@ -174,7 +175,7 @@ def query_blocks(q_req_T, block_q: int) -> QueryBlocks:
 
 
 def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_ref,
-            table_ref, q_ref, k_ref, v_ref, *out_refs):
+            table_ref, q_ref, k_ref, v_ref, sinks_ref, *out_refs):
     """Program (g, kv head, split): query blocks g, g + programs, ... against one kv head."""
     T, U, K, H = cfg.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     programs, splits, chunk, M = cfg.num_programs, cfg.kv_splits, cfg.block_k, cfg.block_rows
@@ -244,6 +245,8 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
         if splits == 1:
             (o_ref,) = out_refs
             out_row = jnp.where(valid, q_row, T * U)
+            if cfg.sinks:
+                sum_M = sum_M + jnp.exp(plgpu.load(sinks_ref.at[q_row % U]) - max_M)
             out = acc_MH / jnp.maximum(sum_M, 1e-30)[:, None]
             plgpu.store(o_ref.at[out_row[:, None], cols], out.astype(o_ref.dtype),
                         mask=valid[:, None])
@@ -320,6 +323,7 @@ def paged_attention_pallas(
     num_warps: int | None = None,
     num_stages: int = 2,
     blocks=None,
+    sinks_U=None,
 ):
     """`paged_attention_reference` as a Pallas kernel; output [T, U, H] in q's dtype.
 
@@ -333,6 +337,7 @@ def paged_attention_pallas(
     num_warps, num_stages: Triton settings (num_warps default 4, or 8 for 128-row blocks).
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
+    sinks_U: as the reference's.
     """
     q_positions_T = jnp.asarray(q_positions_T, jnp.int32)
     q_req_T = jnp.asarray(q_req_T, jnp.int32)
@@ -353,8 +358,9 @@ def paged_attention_pallas(
         num_tokens=T, num_heads=U, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
-        f32=q_TUH.dtype == jnp.float32)
+        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None)
     cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
+    sinks_U = jnp.zeros((U,), jnp.float32) if sinks_U is None else sinks_U.astype(jnp.float32)
     if blocks is None:
         blocks = query_blocks(q_req_T, block_q)
     elif blocks.block_q > block_q:
@@ -384,14 +390,17 @@ def paged_attention_pallas(
         name="paged_attention_ragged",
     )(blocks.first, blocks.num_blocks, q_req_T, q_positions_T, seq_lens_R,
       block_table_RP.reshape(-1), q_TUH.reshape(rows, H), k_slots_XKH.reshape(X * K, H),
-      v_slots_XKH.reshape(X * K, H))
+      v_slots_XKH.reshape(X * K, H), sinks_U)
     if splits == 1:
         return outs[0].reshape(T, U, H)
     # The flash-decoding epilogue, left to XLA: as one Pallas kernel (a program per query row)
     # it was slower than XLA's fused kernels (bench/LESSONS.md). s: key splits.
     acc_sMH = outs[0].reshape(splits, rows, H)
     max_sM, sum_sM = outs[1].reshape(splits, rows), outs[2].reshape(splits, rows)
-    weight_sM = jnp.exp(max_sM - jnp.max(max_sM, axis=0))
+    top_M = jnp.max(max_sM, axis=0)
+    weight_sM = jnp.exp(max_sM - top_M)
     total_M = jnp.sum(weight_sM * sum_sM, axis=0)
+    if cfg.sinks:
+        total_M = total_M + jnp.exp(jnp.tile(sinks_U, T) - top_M)
     out_MH = jnp.sum(weight_sM[..., None] * acc_sMH, axis=0) / jnp.maximum(total_M, 1e-30)[:, None]
     return out_MH.reshape(T, U, H).astype(q_TUH.dtype)

@@ -21,6 +21,7 @@ def paged_attention_reference(
     *,
     page_size: int,
     rule: LayerAttention,
+    sinks_U=None,
     token_tile: int = 64,
     key_chunk: int = 256,
 ):
@@ -28,7 +29,8 @@ def paged_attention_reference(
 
     Query t belongs to batch row `q_req_T[t]`, whose keys are positions 0..seq_len-1 read
     through its block table; `rule` adds the causal / window conditions on positions. Rows
-    with nothing visible (padding) return zeros.
+    with nothing visible (padding) return zeros. `sinks_U` (gpt-oss): a logit per query head
+    added to each softmax's denominator.
 
     Work and memory follow the batch's real lengths, not the block table's width: tokens go
     in query blocks of consecutive tokens of one row, and each query block walks its row's
@@ -102,10 +104,13 @@ def paged_attention_reference(
             jnp.zeros((num_kv_heads, tile, group, head_dim), jnp.float32),
         )
         if pages_per_chunk == pages_per_row:  # the whole row is one chunk: no loop to compile
-            _, sum_KtG, acc_KtGH = one_chunk(0, init)
+            max_KtG, sum_KtG, acc_KtGH = one_chunk(0, init)
         else:
             first_chunk, end_chunk = _visible_chunks(pos_t, valid_t, seq_len, rule, chunk)
-            _, sum_KtG, acc_KtGH = jax.lax.fori_loop(first_chunk, end_chunk, one_chunk, init)
+            max_KtG, sum_KtG, acc_KtGH = jax.lax.fori_loop(first_chunk, end_chunk, one_chunk, init)
+        if sinks_U is not None:
+            sinks_KG = sinks_U.astype(jnp.float32).reshape(num_kv_heads, 1, group)
+            sum_KtG = sum_KtG + jnp.exp(sinks_KG - max_KtG)
         out_KtGH = acc_KtGH / jnp.maximum(sum_KtG, 1e-30)[..., None]
         return out_KtGH.transpose(1, 0, 2, 3).reshape(q_tUH.shape).astype(q_TUH.dtype)
 

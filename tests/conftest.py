@@ -189,6 +189,51 @@ def save_hf(model, path, config_dict: dict | None = None, **save_kwargs) -> str:
     return str(path)
 
 
+def favour_two_tokens(hf, gen) -> None:
+    """Scale a transformers model's LM head down and lift tokens 10 and 20 along random
+    directions: greedy outputs turn repetitive and a random drafter's guesses often right."""
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.05)
+        for token in (10, 20):
+            direction = torch.randn(hf.config.hidden_size, generator=gen)
+            hf.lm_head.weight[token] += 6 * direction / direction.norm()
+
+
+def converted_pair(hf, tmp, **dflash_config):
+    """(the folder `hf` is saved in, the target `dflash-jax convert` makes of it, a random
+    z-lab drafter for it with block 4 and `dflash_config`'s fields)."""
+    import dflash_jax
+    from dflash_jax.cli import main
+
+    folder = save_hf(hf, tmp / "hf")
+    assert main(["convert", folder, str(tmp / "converted")]) == 0
+    config = drafter_config_dict(hf.config.to_dict(),
+                                 dflash_config={"mask_token_id": 95, "block_size": 4, **dflash_config})
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
+    return folder, dflash_jax.load_target(tmp / "converted"), drafter
+
+
+def assert_greedy_dflash_exact(hf, target, drafter, prompts, max_new_tokens=16):
+    """Greedy autoregressive decoding equals transformers' greedy `generate`, and DFlash (block
+    4, blocks partly accepted) equals it in `generate` and in the Engine."""
+    import dflash_jax
+
+    ar = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=max_new_tokens)
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, ar.token_ids):
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            assert out[0, len(prompt):].tolist() == tokens
+    spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=4)
+    assert spec.token_ids == ar.token_ids
+    lengths = [n for per_request in spec.accepted_lengths for n in per_request]
+    assert any(n > 1 for n in lengths) and any(n < 4 for n in lengths)  # blocks partly accepted
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
+    ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i) for i in ids] == ar.token_ids
+
+
 def rel_err(ours, ref) -> float:
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))

@@ -205,12 +205,19 @@ def quantized() -> dict:
 
 def moe() -> dict:
     """Greedy tokens of a Qwen3-MoE target (8 experts, top 2; layer 1 dense) at TP 1, 2 and 4
-    (experts split over "model") and its autoregressive tokens at TP 1; where its experts live."""
+    (experts split over "model") and its autoregressive tokens at TP 1; where its experts live;
+    the same for a gpt-oss target (a windowed layer, sinks, biases) at TP 1 and 4."""
     cfg = parse_config(dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+    ))
+    gpt_oss = parse_config(dict(
+        architectures=["GptOssForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ))
     out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=10).token_ids}
     for tp in (1, 2, 4):
@@ -218,6 +225,9 @@ def moe() -> dict:
         spec = generate(target, drafter, PROMPTS, max_new_tokens=10)
         out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
         out[f"{tp}/spec"] = list(target.layers[0].mlp.gate_up[...].sharding.spec) if tp > 1 else None
+    out["gpt-oss/ar"] = generate_autoregressive(models(gpt_oss, 1)[0], PROMPTS, max_new_tokens=10).token_ids
+    for tp in (1, 4):  # sinks split by head with the heads, windows per layer
+        out[f"gpt-oss/{tp}"] = generate(*models(gpt_oss, tp), PROMPTS, max_new_tokens=10).token_ids
     return out
 
 

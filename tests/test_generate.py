@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dflash_jax
-from conftest import drafter_config_dict, make_hf_target, make_zlab_drafter, save_hf
+from conftest import drafter_config_dict, favour_two_tokens, make_hf_target, make_zlab_drafter, save_hf
 from dflash_jax.generate import generate, generate_autoregressive
 from dflash_jax.kernels import Kernels
 
@@ -19,12 +19,7 @@ def biased_target(seed=0, **overrides):
     """A random Qwen3 whose LM head is dominated by a few tokens along random directions, so
     greedy outputs are repetitive and a random drafter's guesses are often right."""
     hf = make_hf_target("qwen3", num_hidden_layers=6, head_dim=16, seed=seed, **overrides)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(0.05)
-        for token in (10, 20):
-            direction = torch.randn(hf.config.hidden_size, generator=gen)
-            hf.lm_head.weight[token] += 6 * direction / direction.norm()
+    favour_two_tokens(hf, torch.Generator().manual_seed(seed))
     return hf
 
 

@@ -12,12 +12,11 @@ import torch
 import transformers
 
 import dflash_jax
-from conftest import drafter_config_dict, make_zlab_drafter, randomize_norms, rel_err, save_hf
+from conftest import assert_greedy_dflash_exact, converted_pair, favour_two_tokens, randomize_norms, rel_err
 from dflash_jax.cli import main
 from dflash_jax.config import ConfigError, parse_config
 from dflash_jax.formats.export_hf import export_hf
-from dflash_jax.generate import generate, generate_autoregressive
-from test_generate import PROMPTS, hf_greedy
+from test_generate import PROMPTS
 
 IDS = np.random.default_rng(0).integers(0, 96, 40)
 
@@ -46,10 +45,7 @@ def make_hf_moe(seed=0):
         for name, param in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0, 0.5, generator=gen)
-        hf.lm_head.weight.mul_(0.05)
-        for token in (10, 20):
-            direction = torch.randn(MOE_CONFIG["hidden_size"], generator=gen)
-            hf.lm_head.weight[token] += 6 * direction / direction.norm()
+    favour_two_tokens(hf, gen)
     return hf.float().eval()
 
 
@@ -58,11 +54,7 @@ def moe(tmp_path_factory):
     """(transformers model, its folder, the CLI-converted target, a drafter for it)."""
     tmp = tmp_path_factory.mktemp("moe")
     hf = make_hf_moe()
-    folder = save_hf(hf, tmp / "hf")
-    assert main(["convert", folder, str(tmp / "converted")]) == 0
-    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4})
-    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
-    return hf, folder, dflash_jax.load_target(tmp / "converted"), drafter
+    return hf, *converted_pair(hf, tmp)
 
 
 def test_config_names_the_sparse_layers():
@@ -85,17 +77,7 @@ def test_logits_and_hidden_states_match_transformers(moe):
 @pytest.mark.slow
 def test_greedy_dflash_equals_autoregressive_and_transformers(moe):
     hf, _, target, drafter = moe
-    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=16)
-    assert ar.token_ids == [hf_greedy(hf, p, 16) for p in PROMPTS]
-    spec = generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4)
-    assert spec.token_ids == ar.token_ids
-    lengths = [n for per_request in spec.accepted_lengths for n in per_request]
-    assert any(n > 1 for n in lengths) and any(n < 4 for n in lengths)  # blocks partly accepted
-    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
-    ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=16)) for p in PROMPTS]
-    while engine.has_unfinished():
-        engine.step()
-    assert [engine.output(i) for i in ids] == ar.token_ids
+    assert_greedy_dflash_exact(hf, target, drafter, PROMPTS)
 
 
 def test_export_gives_the_checkpoint_back(moe, tmp_path):

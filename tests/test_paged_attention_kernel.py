@@ -54,8 +54,9 @@ class Config:
 # The oracle: one token at a time, in float64.
 # --------------------------------------------------------------------------------------
 
-def oracle(batch, cfg):
-    """out[t] = softmax over the visible keys of row q_req[t] of q.k / sqrt(H), times v."""
+def oracle(batch, cfg, sinks=None):
+    """out[t] = softmax over the visible keys of row q_req[t] of q.k / sqrt(H), times v (with
+    `sinks`, each head's sink logit joins the softmax's denominator)."""
     q, k, v = (np.asarray(batch[name], np.float64) for name in ("q", "k", "v"))
     table, seq_lens, page = batch["table"], batch["seq_lens"], cfg.page_size
     num_kv_heads, group, head_dim = cfg.num_kv_heads, cfg.group, cfg.head_dim
@@ -76,8 +77,9 @@ def oracle(batch, cfg):
         for n in range(num_kv_heads * group):
             kv = n // group
             scores = k[slots, kv] @ q[t, n] / np.sqrt(head_dim)
-            probs = np.exp(scores - scores.max())
-            out[t, n] = probs @ v[slots, kv] / probs.sum()
+            top = scores.max() if sinks is None else max(scores.max(), sinks[n])
+            probs = np.exp(scores - top)
+            out[t, n] = probs @ v[slots, kv] / (probs.sum() + (0 if sinks is None else np.exp(sinks[n] - top)))
     return out
 
 
@@ -209,6 +211,20 @@ def test_fuzz_kernel_reference_oracle(name):
 # --------------------------------------------------------------------------------------
 # Explicit cases.
 # --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_sinks(splits):
+    """gpt-oss's sinks: a logit per query head in the denominator, one key split or several."""
+    cfg = Config(LayerAttention(True, 20), "float32", 16, 2, 4, 32, 48, 4, 6, (("kv_splits", splits),))
+    rng = np.random.default_rng(splits)
+    batch = random_batch(rng, cfg, num_reqs=3, prefill_share=0.3, shuffle=False)
+    sinks = rng.normal(size=cfg.num_kv_heads * cfg.group).astype(np.float32) * 2
+    want = oracle(batch, cfg, sinks)
+    for fn, kwargs in ((reference, {}), (paged_attention_pallas, dict(cfg.kernel_kwargs))):
+        got = run(fn, batch, cfg, sinks_U=jnp.asarray(sinks), **kwargs)
+        np.testing.assert_allclose(got, want, **TOLERANCE["float32"], err_msg=fn.__name__)
+    assert np.abs(want - oracle(batch, cfg)).max() > 1e-2  # the sinks changed the outputs
+
 
 def test_query_blocks_docstring_example():
     blocks = query_blocks(jnp.array([0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 0, 0]), 4)

@@ -58,12 +58,14 @@ def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
 
 @pytest.mark.slow
 def test_moe_targets_decode_alike_with_experts_split_over_the_mesh():
+    """Qwen3-MoE at TP 1, 2, 4 and gpt-oss (sinks, windows) at TP 1 and 4."""
     out = run_case("moe")
     assert out["1"][0] == out["ar"]
     for tp in ("2", "4"):
         assert out[tp] == out["1"], tp
         assert out[f"{tp}/spec"] == ["model", None, None]  # each device holds its share of the experts
     assert any(n > 1 for lengths in out["1"][1] for n in lengths)
+    assert out["gpt-oss/1"] == out["gpt-oss/4"] == out["gpt-oss/ar"]
 
 
 def test_compiled_step_has_two_all_reduces_per_layer_and_no_weight_gather():

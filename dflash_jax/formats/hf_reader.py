@@ -43,10 +43,10 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return _safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))])
+        return mxfp4_dequantized(_safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))]))
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        return _safetensors_source(files)
+        return mxfp4_dequantized(_safetensors_source(files))
     torch_files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.pt"))
     if torch_files:
         return _torch_source(torch_files)
@@ -59,6 +59,38 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
         f"no weights found in {model_dir}: expected *.safetensors, "
         "model.safetensors.index.json, pytorch_model*.bin or *.pt."
     )
+
+
+# The 16 values of an FP4 (e2m1) nibble, by its bits.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def mxfp4_dequantized(source: TensorSource) -> TensorSource:
+    """`source` with each MXFP4 pair `NAME_blocks` [E, out, G, 16] (two FP4 values a byte, low
+    nibble first) + `NAME_scales` [E, out, G] (a power of two per 32 values, biased by 127)
+    read as one float32 tensor `NAME` [E, in = 32 G, out]: gpt-oss's published experts,
+    dequantized at conversion."""
+    pairs = [name.removesuffix("_blocks") for name in source.shapes
+             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in source.shapes]
+    if not pairs:
+        return source
+
+    def dequantized(name):
+        blocks, scales = np.asarray(source.get(f"{name}_blocks")), np.asarray(source.get(f"{name}_scales"))
+        if blocks.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+            raise ConversionError(f"{name}_blocks / {name}_scales are not MXFP4 blocks and scales ({blocks.dtype} "
+                                  f"{list(blocks.shape)}, {list(scales.shape)}); the checkpoint is damaged.")
+        values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1).reshape(*scales.shape, -1)
+        values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+        return np.ascontiguousarray(values.reshape(*scales.shape[:-1], -1).swapaxes(1, 2))
+
+    shapes, dtypes = dict(source.shapes), dict(source.dtypes)
+    for name in pairs:
+        experts, out, groups, width = shapes.pop(f"{name}_blocks")
+        shapes[name], dtypes[name] = (experts, groups * width * 2, out), "float32"
+        del shapes[f"{name}_scales"]
+    return TensorSource(shapes, lambda name: dequantized(name) if name in pairs else source.get(name), dtypes)
 
 
 def _safetensors_source(files: list[Path]) -> TensorSource:

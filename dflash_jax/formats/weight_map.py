@@ -61,7 +61,7 @@ def _norm(hf_prefix: str, path: tuple) -> WeightRule:
 
 
 def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
-                   experts: ExpertsConfig | None = None):
+                   experts: ExpertsConfig | None = None, sinks: bool = False):
     rules = [
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
@@ -76,6 +76,10 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
     rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
     if qk_norm:
         rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
+    if sinks:
+        rules.append(WeightRule(f"{hf}.self_attn.sinks", (*path, "self_attn", "sinks"), False))
+    if experts is not None and experts.interleaved:
+        return rules + _gpt_oss_experts(f"{hf}.mlp", (*path, "mlp"))
     if experts is not None:
         return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
     inter = cfg.intermediate_size
@@ -99,13 +103,25 @@ def _routed_experts(hf: str, path: tuple, experts: ExpertsConfig) -> list[Weight
     return rules
 
 
+def _gpt_oss_experts(hf: str, path: tuple) -> list[WeightRule]:
+    """gpt-oss's `router` (with bias) and its experts stacked as transformers writes them:
+    `gate_up_proj` [E, D, 2I] (gate and up columns interleaved), `down_proj` [E, I, D], and
+    their biases; a published checkpoint's MXFP4 blocks are read as these (`hf_reader`)."""
+    rules = [WeightRule(f"{hf}.router.weight", (*path, "router", "kernel"), True),
+             WeightRule(f"{hf}.router.bias", (*path, "router", "bias"), False)]
+    for name in ("gate_up", "down"):
+        rules += [WeightRule(f"{hf}.experts.{name}_proj", (*path, name), False),
+                  WeightRule(f"{hf}.experts.{name}_proj_bias", (*path, f"{name}_bias"), False)]
+    return rules
+
+
 def target_rules(cfg: TargetConfig) -> list[WeightRule]:
-    """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `LlamaForCausalLM` names (`model.` prefix,
-    `lm_head` unless tied)."""
+    """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `GptOssForCausalLM` / `LlamaForCausalLM`
+    names (`model.` prefix, `lm_head` unless tied)."""
     rules = [WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_layers):
         rules += _decoder_layer(f"model.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm,
-                                experts=cfg.layer_experts(i))
+                                experts=cfg.layer_experts(i), sinks=cfg.attention_sinks)
     rules.append(_norm("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)

@@ -46,7 +46,8 @@ class Target(nnx.Module):
             return None if experts is None else RoutedExperts(cfg.hidden_size, experts, dtype=dtype, rngs=rngs)
 
         self.layers = nnx.List([
-            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, mlp=feed_forward(i))
+            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, mlp=feed_forward(i),
+                         sinks=cfg.attention_sinks)
             for i in range(cfg.num_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)

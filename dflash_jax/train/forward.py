@@ -12,9 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import dense_attention
-from pallas_kernels.attention_mask import position_mask
-from dflash_jax.config import LayerAttention
+from dflash_jax.attention import target_attend
 from dflash_jax.layers import finishing
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.masks import block_mask, block_positions, context_mask
@@ -27,10 +25,8 @@ def target_logits_and_features(target: Target, token_ids_L, layer_ids):
     Under jit an unused `logits` output is dropped by XLA.
     """
     positions_L = jnp.arange(token_ids_L.shape[0], dtype=jnp.int32)
-    mask_LL = position_mask(positions_L, positions_L, LayerAttention(causal=True))
-    hidden_LD, features_LF = target(
-        token_ids_L, positions_L, finishing(lambda i, q, k, v: dense_attention(q, k, v, mask_LL)), layer_ids=layer_ids
-    )
+    hidden_LD, features_LF = target(token_ids_L, positions_L, target_attend(target.cfg, positions_L),
+                                    layer_ids=layer_ids)
     return target.unembed(hidden_LD), features_LF
 
 
