@@ -50,6 +50,22 @@ def param_bytes(model, skip_embedding: bool = False) -> int:
     return total
 
 
+def untouched_expert_bytes(model) -> int:
+    """The experts' bytes a one-token step does not read: all but `top_k` of each sparse
+    layer's experts (0 for a dense model)."""
+    from flax import nnx
+
+    from dflash_jax.experts import RoutedExperts
+
+    total = 0
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, RoutedExperts):
+            stacked = sum(getattr(module, name)[...].nbytes for name in ("gate_up", "down", "gate_up_bias", "down_bias")
+                          if hasattr(module, name))
+            total += stacked * (1 - module.experts.top_k / module.experts.num_experts)
+    return int(total)
+
+
 def kv_bytes_per_token(model, num_layers: int) -> int:
     cfg = model.cfg
     return 2 * num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize  # k and v
@@ -59,7 +75,7 @@ def kv_bytes_per_token(model, num_layers: int) -> int:
 class RandomPair:
     target: object
     drafter: object
-    target_stream_bytes: int  # what a target step reads of the weights
+    target_stream_bytes: int  # what a one-token target step reads of the weights (MoE: top_k experts a layer)
     drafter_bytes: int
     lm_head_bytes: int
 
@@ -84,5 +100,5 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
     drafter = shard_model(random_model(shapes.drafter, seed + 1, dtype), mesh)
     gc.collect()
     cfg = target.cfg
-    return RandomPair(target, drafter, param_bytes(target, skip_embedding=True), param_bytes(drafter),
-                      cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)
+    return RandomPair(target, drafter, param_bytes(target, skip_embedding=True) - untouched_expert_bytes(target),
+                      param_bytes(drafter), cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)

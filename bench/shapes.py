@@ -40,6 +40,31 @@ SMOLLM2_135M_DRAFTER = dict(
     max_position_embeddings=8192, num_target_layers=30,
     dflash_config=dict(mask_token_id=16, target_layer_ids=[1, 8, 14, 20, 27], block_size=16),
 )
+# Mixture-of-experts targets (issue 34): Qwen3-30B-A3B (128 experts, top 8, every layer
+# sparse) and gpt-oss-20b (32 experts, top 4; sliding-window layers of 128 every other layer,
+# attention sinks), with DFlash-1 drafters of the 8B drafter's form at their widths.
+QWEN3_30B_A3B = dict(
+    QWEN3_8B, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+)
+QWEN3_30B_A3B_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+    num_target_layers=48, dflash_config=dict(mask_token_id=151669, target_layer_ids=[1, 12, 23, 34, 45], block_size=16),
+)
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+    num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+    rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         original_max_position_embeddings=4096, truncate=False),
+)
+GPT_OSS_20B_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, vocab_size=201088, hidden_size=2880, intermediate_size=7680, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_target_layers=24,
+    dflash_config=dict(mask_token_id=200017, target_layer_ids=[1, 6, 11, 16, 21], block_size=16),
+)
 SMALL = dict(QWEN3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 SMALL_DRAFTER = dict(
@@ -47,6 +72,8 @@ SMALL_DRAFTER = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, num_target_layers=4,
     dflash_config=dict(mask_token_id=1023, target_layer_ids=[1, 2], block_size=16),
 )
+SMALL_MOE = dict(SMALL, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=128, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,5 +89,8 @@ MODELS = {
     "qwen3-8b": ModelShapes("Qwen3-8B shape", QWEN3_8B, QWEN3_8B_DRAFTER),
     "qwen3-32b": ModelShapes("Qwen3-32B shape", QWEN3_32B, QWEN3_32B_DRAFTER),
     "smollm2-135m": ModelShapes("SmolLM2-135M shape", SMOLLM2_135M, SMOLLM2_135M_DRAFTER),
+    "qwen3-30b-a3b": ModelShapes("Qwen3-30B-A3B shape", QWEN3_30B_A3B, QWEN3_30B_A3B_DRAFTER),
+    "gpt-oss-20b": ModelShapes("gpt-oss-20b shape", GPT_OSS_20B, GPT_OSS_20B_DRAFTER),
     "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
+    "small-moe": ModelShapes("small CPU shapes, routed experts", SMALL_MOE, SMALL_DRAFTER),
 }

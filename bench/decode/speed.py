@@ -170,7 +170,8 @@ def copy_bandwidth(num_bytes: int, reps: int = 10) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_output_arguments(parser, out_default="decode.json")
-    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test (--model small)")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny shapes: a CPU smoke test (--model small, or small-moe when given)")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b", help="the random models' shapes")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the random models' dtype (the PyTorch anchors run in bfloat16 only)")
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
         opts.kernels_for(impl)
     md_path = Path(opts.out).with_suffix(".md")
     budget = Budget(opts.budget_s)
-    model = "small" if small else opts.model
+    model = opts.model if small and opts.model.startswith("small") else "small" if small else opts.model
     run = dict(small=small, model=model, dtype=opts.dtype, quantize=opts.quantize,
                quantize_block=opts.quantize_block or None, tensor_parallel=tp,
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,

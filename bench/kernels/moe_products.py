@@ -1,0 +1,104 @@
+"""The routed experts' product on the GPU: how a MoE layer's cost grows with the tokens of a
+step (decode 1 row, verify blocks of 4-16 rows, batches of them), three ways.
+
+    python -m bench.kernels.moe_products --out $OUT/moe_products.json
+    python -m bench.kernels.moe_products --small --out /tmp/moe.json   # CPU smoke test
+
+For the experts of one sparse layer of `--model` (Qwen3-30B-A3B: 128 experts of [2048 ->
+2 x 768 -> 2048], top 8; gpt-oss-20b: 32 of [2880 -> 2 x 2880 -> 2880], top 4), M tokens
+each routed to top_k distinct random experts, chained over `--copies` layers' distinct
+weights (so every expert streams from HBM), times:
+  - ragged: `dflash_jax.experts.experts_product` (the library's: `ragged_dot` over the
+    (token, expert) pairs sorted by expert);
+  - gather: each pair's expert matrices gathered, then batched products (reads top_k experts
+    per token, duplicates included);
+  - dense: every expert applied to every token, the routed outputs kept (reads all experts).
+Reports us per layer, the distinct experts the tokens touch, and the read rate over those
+experts' bytes (what a grouped-expert kernel must stream at least).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench import harness
+from bench.shapes import MODELS
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.kernels.quantized_products import time_chain
+    from dflash_jax.config import parse_config
+    from dflash_jax.experts import experts_product, swiglu
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_output_arguments(parser, out_default="moe_products.json")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (small-moe): a CPU smoke test")
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "gpt-oss-20b"])
+    parser.add_argument("--rows", default="1,4,16,32,64,256")
+    parser.add_argument("--copies", type=int, default=6, help="distinct layers' experts chained")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    record = harness.Record(__spec__.name, args, argv)
+    cfg = parse_config(MODELS["small-moe" if args.small else args.model].target)
+    experts, D = cfg.experts, cfg.hidden_size
+    dtype = jnp.float32 if args.small else jnp.bfloat16  # XLA CPU has no bf16 x bf16 -> f32 einsum
+    E, inter, top_k = experts.num_experts, experts.intermediate_size, experts.top_k
+    key = jax.random.key(0)
+    layers = []
+    for _ in range(args.copies):
+        key, a, b, c, d = jax.random.split(key, 5)
+        layer = {"gate_up": (0.02 * jax.random.normal(a, (E, D, 2 * inter))).astype(dtype),
+                 "down": (0.02 * jax.random.normal(b, (E, inter, D))).astype(dtype)}
+        if experts.bias:
+            layer.update(gate_up_bias=jnp.zeros((E, 2 * inter), dtype), down_bias=jnp.zeros((E, D), dtype))
+        layers.append((layer,))
+    expert_bytes = sum(x.nbytes for x in layers[0][0].values()) // E
+
+    def gather(x, params, weights, ids):
+        gate_up = jnp.einsum("td,tkdf->tkf", x, params["gate_up"][ids], preferred_element_type=jnp.float32)
+        hidden = swiglu(gate_up.astype(x.dtype).reshape(-1, 2 * inter), experts).reshape(*ids.shape, inter)
+        out = jnp.einsum("tki,tkid->tkd", hidden, params["down"][ids], preferred_element_type=jnp.float32)
+        return (out * weights[..., None]).sum(1).astype(x.dtype)
+
+    def dense(x, params, weights, ids):
+        gate_up = jnp.einsum("td,edf->tef", x, params["gate_up"], preferred_element_type=jnp.float32)
+        hidden = swiglu(gate_up.astype(x.dtype).reshape(-1, 2 * inter), experts).reshape(x.shape[0], E, inter)
+        out = jnp.einsum("tei,eid->ted", hidden, params["down"], preferred_element_type=jnp.float32)
+        chosen = jnp.zeros((x.shape[0], E), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].set(weights)
+        return jnp.einsum("ted,te->td", out, chosen).astype(x.dtype)
+
+    variants = {
+        "ragged": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts),
+        "gather": gather,
+        "dense": dense,
+    }
+    rng = np.random.default_rng(0)
+    results = []
+    for M in [int(r) for r in args.rows.split(",")]:
+        ids = np.stack([rng.permutation(E)[:top_k] for _ in range(M)]).astype(np.int32)
+        touched = len(np.unique(ids))
+        key, sub = jax.random.split(key)
+        x = jax.random.normal(sub, (M, D), jnp.float32).astype(dtype)
+        weights = jnp.full((M, top_k), 1.0 / top_k, dtype)
+        for name, fn in variants.items():
+            if name == "dense" and M * E * 2 * inter * 4 > 2**31:  # the dense intermediate outgrows memory
+                continue
+            seconds = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
+                                 args.reps)
+            results.append(dict(rows=M, variant=name, us=seconds * 1e6, experts_touched=touched,
+                                touched_TBps=touched * expert_bytes / seconds / 1e12))
+            print(json.dumps(results[-1]), flush=True)
+    record.write(dict(model=args.model, copies=args.copies, expert_bytes=expert_bytes, timings=results))
+    print(f"\n{'M':>4} {'variant':<8} {'us':>9} {'experts':>8} {'TB/s':>6}")
+    for r in results:
+        print(f"{r['rows']:>4} {r['variant']:<8} {r['us']:9.1f} {r['experts_touched']:>8} {r['touched_TBps']:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
