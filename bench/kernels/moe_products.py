@@ -12,6 +12,8 @@ weights (so every expert streams from HBM), times:
     (token, expert) pairs sorted by expert);
   - gather: each pair's expert matrices gathered, then batched products (reads top_k experts
     per token, duplicates included);
+  - each_pair: a loop over the pairs, each product reading its expert through a dynamic
+    index (M <= 16);
   - dense: every expert applied to every token, the routed outputs kept (reads all experts).
 Reports us per layer, the distinct experts the tokens touch, and the read rate over those
 experts' bytes (what a grouped-expert kernel must stream at least).
@@ -65,6 +67,19 @@ def main(argv=None):
         out = jnp.einsum("tki,tkid->tkd", hidden, params["down"][ids], preferred_element_type=jnp.float32)
         return (out * weights[..., None]).sum(1).astype(x.dtype)
 
+    def each_pair(x, params, weights, ids):
+        """A loop over the (token, expert) pairs, each reading its expert by a dynamic index."""
+        def one(pair):
+            token, expert, weight = pair
+            gate_up = jnp.dot(x[token], params["gate_up"][expert], preferred_element_type=jnp.float32)
+            hidden = swiglu(gate_up.astype(x.dtype)[None], experts)[0]
+            out = jnp.dot(hidden, params["down"][expert], preferred_element_type=jnp.float32)
+            return out * weight.astype(jnp.float32)
+
+        tokens = jnp.repeat(jnp.arange(x.shape[0]), top_k)
+        outs = jax.lax.map(one, (tokens, ids.reshape(-1), weights.reshape(-1)))
+        return outs.reshape(x.shape[0], top_k, -1).sum(1).astype(x.dtype)
+
     def dense(x, params, weights, ids):
         gate_up = jnp.einsum("td,edf->tef", x, params["gate_up"], preferred_element_type=jnp.float32)
         hidden = swiglu(gate_up.astype(x.dtype).reshape(-1, 2 * inter), experts).reshape(x.shape[0], E, inter)
@@ -75,6 +90,7 @@ def main(argv=None):
     variants = {
         "ragged": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts),
         "gather": gather,
+        "each_pair": each_pair,
         "dense": dense,
     }
     rng = np.random.default_rng(0)
@@ -87,6 +103,8 @@ def main(argv=None):
         weights = jnp.full((M, top_k), 1.0 / top_k, dtype)
         for name, fn in variants.items():
             if name == "dense" and M * E * 2 * inter * 4 > 2**31:  # the dense intermediate outgrows memory
+                continue
+            if name == "each_pair" and M > 16:  # a loop of M * top_k steps: for decode and verify rows
                 continue
             seconds = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
                                  args.reps)
