@@ -16,6 +16,8 @@ the shards' outputs (`sharding.MODEL_AXES` holds the "experts" axis).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -56,6 +58,31 @@ def swiglu(pairs, experts: ExpertsConfig):
 
 
 def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig):
+    """`_experts_product` (below), usable under `vmap` (the trainer maps the target over a
+    batch of sequences): `ragged_dot` has no batching rule for it, but the product is token
+    by token, so a batch of token sets is one set of all their tokens."""
+    return _token_wise(experts)(x_TD, params, weights, expert_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _token_wise(experts: ExpertsConfig):
+    @jax.custom_batching.custom_vmap
+    def product(x_TD, params, weights, expert_ids):
+        return _experts_product(x_TD, params, weights, expert_ids, experts)
+
+    @product.def_vmap
+    def batched(axis_size, in_batched, x_TD, params, weights, expert_ids):
+        if any(jax.tree.leaves(in_batched[1])):
+            raise NotImplementedError("the experts' weights cannot be mapped over; map the tokens only.")
+        x, w, ids = (a if mapped else jnp.broadcast_to(a, (axis_size, *a.shape))
+                     for a, mapped in zip((x_TD, weights, expert_ids), (in_batched[0], *in_batched[2:])))
+        out = product(x.reshape(-1, x.shape[-1]), params, w.reshape(-1, w.shape[-1]), ids.reshape(-1, ids.shape[-1]))
+        return out.reshape(*x.shape[:-1], -1), True
+
+    return product
+
+
+def _experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig):
     """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
     "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
     "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`

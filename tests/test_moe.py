@@ -74,6 +74,20 @@ def test_logits_and_hidden_states_match_transformers(moe):
         assert rel_err(features, expected) <= 1e-5
 
 
+def test_a_batch_of_sequences_under_vmap_as_each_alone(moe):
+    """The trainer maps the target over a batch of sequences (`ragged_dot` itself cannot be)."""
+    import jax
+
+    from dflash_jax.train.forward import target_logits_and_features
+
+    _, _, target, _ = moe
+    batch = np.stack([IDS[:20], IDS[20:]])
+    logits, features = jax.vmap(lambda ids: target_logits_and_features(target, ids, (0, 1)))(batch)
+    for row, ids in enumerate(batch):
+        alone = target_logits_and_features(target, ids, (0, 1))
+        assert rel_err(logits[row], alone[0]) <= 1e-6 and rel_err(features[row], alone[1]) <= 1e-6
+
+
 @pytest.mark.slow
 def test_greedy_dflash_equals_autoregressive_and_transformers(moe):
     hf, _, target, drafter = moe
