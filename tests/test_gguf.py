@@ -76,6 +76,18 @@ def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokeniz
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{i}.{norm}.weight"] = 1 + 0.3 * rng.normal(size=HIDDEN)
 
+    writer = gguf_writer(path, architecture, tokenizer_model, "smollm")
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(1e4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_bos_token_id(1)
+    writer.add_pad_token_id(2)
+    write_tensors(writer, {k: v for k, v in tensors.items() if k not in drop}, qtypes)
+    return path
+
+
+def gguf_writer(path, architecture: str, tokenizer_model: str, pre: str):
+    """A `GGUFWriter` holding the tiny models' shared metadata: sizes and the tokenizer."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
@@ -83,28 +95,26 @@ def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokeniz
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(1e4)
-    writer.add_layer_norm_rms_eps(1e-5)
+    tokens = tiny_vocab()
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
     writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_pad_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+    return writer
+
+
+def write_tensors(writer, tensors: dict, qtypes: dict):
+    """The tensors, each stored as `qtypes` names its kind (F32 otherwise), and the file closed."""
     for name, array in tensors.items():
-        if name in drop:
-            continue
         qtype = qtypes.get(name.split(".")[-2], Q.F32)
         writer.add_tensor(name, gguf.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def transformers_from_gguf(path: Path):
@@ -233,7 +243,8 @@ def truncate(path):
 
 BAD_CASES = {
     "truncated": (dict(), truncate, r"tiny.gguf is truncated or corrupt"),
-    "architecture": (dict(architecture="qwen2"), None, r"holds a 'qwen2' model; only GGUF files of the 'llama'"),
+    "architecture": (dict(architecture="qwen2"), None,
+                     r"holds a 'qwen2' model; supported GGUF architectures are llama, qwen3, qwen3moe"),
     "missing": (dict(drop={"blk.1.ffn_up.weight"}), None, r"missing tensor 'blk.1.ffn_up.weight'"),
     "tokenizer": (dict(tokenizer_model="llama"), None, r"has a 'llama' tokenizer; only byte-level BPE"),
 }
@@ -285,3 +296,48 @@ def test_smollm2_matches_transformers(tmp_path):
     # Teacher-forced greedy: our argmax after each prefix is the token transformers generated.
     ours_next = np.asarray(logits).argmax(-1)[len(prompt_ids) - 1 : -1]
     np.testing.assert_array_equal(ours_next, generated[len(prompt_ids) :].numpy())
+
+
+def write_qwen3moe_gguf(path, seed=0):
+    """A tiny random Qwen3-MoE GGUF as llama.cpp writes one (q/k rows as HF has them, q/k
+    norms, a router and stacked experts [experts, out, in]; Qwen2's pre-tokenizer)."""
+    rng = np.random.default_rng(seed)
+    # experts of Qwen3MoeConfig's default width: transformers' GGUF loader does not read
+    # qwen3moe.expert_feed_forward_length
+    tokens, head_dim, experts, expert_ffn = tiny_vocab(), 16, 8, 768
+    tensors = {"token_embd.weight": rng.normal(0, 0.5, (len(tokens), HIDDEN)),
+               "output_norm.weight": 1 + 0.3 * rng.normal(size=HIDDEN),
+               "output.weight": rng.normal(0, 0.1, (len(tokens), HIDDEN))}
+    for i in range(LAYERS):
+        shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+                  "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
+                  "ffn_gate_inp": (experts, HIDDEN), "ffn_gate_exps": (experts, expert_ffn, HIDDEN),
+                  "ffn_up_exps": (experts, expert_ffn, HIDDEN), "ffn_down_exps": (experts, HIDDEN, expert_ffn)}
+        for kind, shape in shapes.items():
+            tensors[f"blk.{i}.{kind}.weight"] = rng.normal(0, 0.5 if kind == "ffn_gate_inp" else 0.1, shape)
+        for norm, size in (("attn_norm", HIDDEN), ("ffn_norm", HIDDEN), ("attn_q_norm", head_dim),
+                           ("attn_k_norm", head_dim)):
+            tensors[f"blk.{i}.{norm}.weight"] = 1 + 0.3 * rng.normal(size=size)
+    writer = gguf_writer(path, "qwen3moe", "gpt2", "qwen2")
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(expert_ffn)
+    writer.add_pad_token_id(0)
+    write_tensors(writer, tensors, {"token_embd": Q.Q8_0, "ffn_up_exps": Q.Q8_0, "attn_k": Q.Q8_0})
+    return path
+
+
+def test_qwen3moe_gguf_matches_transformers(tmp_path):
+    path = write_qwen3moe_gguf(tmp_path / "moe.gguf")
+    assert run_cli(path, tmp_path / "out") == 0
+    target = dflash_jax.load_target(tmp_path / "out")
+    assert target.cfg.experts.num_experts == 8 and target.cfg.qk_norm
+    ids = np.random.default_rng(1).integers(0, target.cfg.vocab_size, size=40)
+    with torch.no_grad():
+        ref = transformers_from_gguf(path)(torch.tensor(ids)[None]).logits[0]
+    assert rel_err(dflash_jax.target_forward(target, ids)[0], ref) <= 1e-4
+    assert_tokenizers_agree(path, tmp_path / "out", TEXTS + ["x = 12345\r\n\n  y's"])

@@ -1,10 +1,12 @@
 """Read a llama.cpp GGUF file as a HF-style config plus a `TensorSource`, without torch.
 
-GGUF keeps the config in `llama.*` metadata and the weights under llama.cpp names
+GGUF keeps the config in `<architecture>.*` metadata and the weights under llama.cpp names
 (`blk.N.attn_q.weight`, ...), often block-quantized. This module turns the metadata into the
 `TargetConfig` the rest of the project uses (written out as a HF `config.json`) and serves
 each tensor dequantized to float32 in the HF layout, so `hf_to_nnx` converts it with the same
-rules and shape checks as a safetensors folder. Only the Llama architecture is read.
+rules and shape checks as a safetensors folder. The llama, qwen3 and qwen3moe architectures
+are read; a qwen3moe file's stacked experts (`ffn_gate_exps`, ...) are served one expert at a
+time under the names of HF's per-expert tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.config import RopeConfig, TargetConfig, to_hf_config
+from dflash_jax.config import ExpertsConfig, RopeConfig, TargetConfig, to_hf_config
 from dflash_jax.formats.hf_reader import ConversionError, TensorSource
 from dflash_jax.formats.weight_map import WeightRule, target_rules
 from dflash_jax.quantization import GGUF_Q8_0
@@ -32,11 +34,19 @@ BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Stacked experts [experts, out, in] -> HF's per-expert names (`mlp.experts.E.<name>`).
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# GGUF architecture -> the HF one it is read as.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 Q8_0, Q8_0_BLOCK = 8, 32  # GGMLQuantizationType.Q8_0, and its block of input columns
 _HF_TO_GGUF = {hf: gguf for gguf, hf in MODEL_TENSORS.items()}
 _HF_BLOCK_TO_GGUF = {hf: gguf for gguf, hf in BLOCK_TENSORS.items()}
+_HF_EXPERT_TO_GGUF = {hf: gguf for gguf, hf in EXPERT_TENSORS.items()}
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -44,10 +54,15 @@ def is_gguf_file(path: str | Path) -> bool:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`."""
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`; an expert's
+    `model.layers.3.mlp.experts.5.gate_proj.weight` -> `blk.3.ffn_gate_exps.5.weight` (a name
+    `open_gguf` serves as one expert of the file's stacked `blk.3.ffn_gate_exps.weight`)."""
     stem, suffix = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         layer, module = stem.removeprefix("model.layers.").split(".", 1)
+        if module.startswith("mlp.experts."):
+            expert, proj = module.removeprefix("mlp.experts.").split(".")
+            return f"blk.{layer}.{_HF_EXPERT_TO_GGUF[proj]}.{expert}.{suffix}"
         return f"blk.{layer}.{_HF_BLOCK_TO_GGUF[module]}.{suffix}"
     return f"{_HF_TO_GGUF[stem]}.{suffix}"
 
@@ -92,14 +107,29 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     metadata = gguf_metadata(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name)
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    # llama.cpp interleaves the q/k rows of llama files only (its `permute`)
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if metadata["general.architecture"] == "llama" else {}
     projections = [f"blk.{i}.{kind}.weight" for i in range(cfg.num_layers) for kind in PROJECTIONS]
-    eight_bit = all(tensors[name].tensor_type == Q8_0 for name in projections if name in tensors)
+    eight_bit = cfg.experts is None and all(tensors[name].tensor_type == Q8_0 for name in projections if name in tensors)
     scales = {name.removesuffix("weight") + GGUF_Q8_0.hf_scale: name for name in projections} if eight_bit else {}
+    experts = {}  # `blk.N.ffn_gate_exps.E.weight` -> (the stacked tensor's name, E)
+    for name, tensor in tensors.items():
+        if name.split(".")[2:3] and name.split(".")[2] in EXPERT_TENSORS:
+            stem, suffix = name.rsplit(".", 1)
+            experts.update({f"{stem}.{e}.{suffix}": (name, e) for e in range(int(tensor.shape[-1]))})
+
+    @functools.lru_cache(maxsize=len(EXPERT_TENSORS))  # a layer's experts are read one at a time, in turn
+    def stacked_experts(name: str) -> np.ndarray:
+        from gguf import dequantize
+
+        return dequantize(tensors[name].data, tensors[name].tensor_type)
 
     def get(name: str) -> np.ndarray:
         from gguf import dequantize
 
+        if name in experts:
+            stacked, expert = experts[name]
+            return stacked_experts(stacked)[expert]
         tensor = tensors[scales.get(name, name)]
         if eight_bit and tensor.name in projections:
             array = q8_0_parts(tensor.data)[name in scales]
@@ -112,6 +142,9 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
         return unpermute_rows(array, heads[kind]) if kind in heads else array
 
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    shapes.update({name: shapes[stacked][1:] for name, (stacked, _) in experts.items()})
+    for stacked in {stacked for stacked, _ in experts.values()}:
+        del shapes[stacked]
     shapes.update({scale: (shapes[weight][0], shapes[weight][1] // Q8_0_BLOCK) for scale, weight in scales.items()
                    if weight in shapes})
     if eight_bit:
@@ -144,12 +177,11 @@ def gguf_metadata(reader) -> dict:
 
 
 def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: str) -> TargetConfig:
-    """`llama.*` metadata -> TargetConfig; vocabulary from the token list or the embedding."""
+    """`<architecture>.*` metadata -> TargetConfig; vocabulary from the token list or the embedding."""
     architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise ConversionError(
-            f"{file_name} holds a {architecture!r} model; only GGUF files of the 'llama' architecture are supported."
-        )
+    if architecture not in ARCHITECTURES:
+        raise ConversionError(f"{file_name} holds a {architecture!r} model; supported GGUF architectures are "
+                              f"{', '.join(ARCHITECTURES)}.")
     if "rope_freqs.weight" in tensor_names:
         raise ConversionError(
             f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style), which "
@@ -157,46 +189,54 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         )
 
     def field(key: str, default=None):
-        value = metadata.get(f"llama.{key}", default)
+        value = metadata.get(f"{architecture}.{key}", default)
         if value is None:
-            raise ConversionError(f"{file_name} has no llama.{key} metadata; the file is incomplete.")
+            raise ConversionError(f"{file_name} has no {architecture}.{key} metadata; the file is incomplete.")
         return value
 
     hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens else metadata.get("llama.vocab_size")
+    vocab_size = len(tokens) if tokens else metadata.get(f"{architecture}.vocab_size")
     if vocab_size is None:
-        raise ConversionError(f"{file_name} has neither a token list nor llama.vocab_size metadata.")
+        raise ConversionError(f"{file_name} has neither a token list nor {architecture}.vocab_size metadata.")
+    layers = int(field("block_count"))
+    experts = None
+    if architecture == "qwen3moe":  # every layer sparse; llama.cpp renormalises the chosen experts' weights
+        experts = ExpertsConfig(num_experts=int(field("expert_count")), top_k=int(field("expert_used_count")),
+                                intermediate_size=int(field("expert_feed_forward_length")), norm_topk_prob=True,
+                                layers=tuple(range(layers)))
     return TargetConfig(
-        architecture="LlamaForCausalLM",
+        architecture=ARCHITECTURES[architecture],
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length")),
-        num_layers=int(field("block_count")),
+        intermediate_size=int(field("feed_forward_length", 0) if experts else field("feed_forward_length")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(field("attention.head_count_kv", heads)),
         head_dim=int(field("attention.key_length", hidden // heads)),
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
-        rope=_rope_config(metadata, file_name),
+        rope=_rope_config(metadata, architecture, file_name),
         max_position_embeddings=int(field("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
-        qk_norm=False,
+        qk_norm=architecture != "llama",
+        experts=experts,
     )
 
 
-def _rope_config(metadata: dict, file_name: str) -> RopeConfig:
-    """`llama.rope.*`: base frequency and the scaling llama.cpp records (none, linear or yarn)."""
-    theta = float(metadata.get("llama.rope.freq_base", 1e4))
-    scaling_type = metadata.get("llama.rope.scaling.type", "none")
-    factor = metadata.get("llama.rope.scaling.factor")
+def _rope_config(metadata: dict, architecture: str, file_name: str) -> RopeConfig:
+    """`<architecture>.rope.*`: base frequency and the scaling llama.cpp records (none, linear or yarn)."""
+    theta = float(metadata.get(f"{architecture}.rope.freq_base", 1e4))
+    scaling_type = metadata.get(f"{architecture}.rope.scaling.type", "none")
+    factor = metadata.get(f"{architecture}.rope.scaling.factor")
     if scaling_type == "none" or factor in (None, 0.0, 1.0):
         return RopeConfig(theta=theta)
     if scaling_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", scaling=(("factor", float(factor)),))
     if scaling_type == "yarn":
-        original = int(metadata.get("llama.rope.scaling.original_context_length", metadata["llama.context_length"]))
+        original = int(metadata.get(f"{architecture}.rope.scaling.original_context_length",
+                                    metadata[f"{architecture}.context_length"]))
         scaling = (("factor", float(factor)), ("original_max_position_embeddings", original))
         return RopeConfig(theta=theta, rope_type="yarn", scaling=scaling)
     raise ConversionError(f"{file_name} uses RoPE scaling {scaling_type!r}; supported: none, linear, yarn.")

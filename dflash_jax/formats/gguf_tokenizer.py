@@ -21,6 +21,9 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 PRE_TOKENIZER_SPLITS = {
     "gpt-2": (_GPT2_SPLIT,),
     "smollm": (r"\p{N}", _GPT2_SPLIT),
+    # Qwen2 / Qwen3: single digits, letters with one leading non-letter, newline runs
+    "qwen2": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
 # llama.cpp token types (gguf.TokenType): control tokens are special, user-defined ones are
 # plain added tokens; both are matched whole before the regex split.
