@@ -298,44 +298,50 @@ def test_smollm2_matches_transformers(tmp_path):
     np.testing.assert_array_equal(ours_next, generated[len(prompt_ids) :].numpy())
 
 
-def write_qwen3moe_gguf(path, seed=0):
-    """A tiny random Qwen3-MoE GGUF as llama.cpp writes one (q/k rows as HF has them, q/k
-    norms, a router and stacked experts [experts, out, in]; Qwen2's pre-tokenizer)."""
+def write_qwen3_gguf(path, moe: bool, seed=0):
+    """A tiny random Qwen3 (or Qwen3-MoE) GGUF as llama.cpp writes one (q/k rows as HF has
+    them, q/k norms; with `moe` a router and stacked experts [experts, out, in]; Qwen2's
+    pre-tokenizer)."""
     rng = np.random.default_rng(seed)
-    # experts of Qwen3MoeConfig's default width: transformers' GGUF loader does not read
-    # qwen3moe.expert_feed_forward_length
-    tokens, head_dim, experts, expert_ffn = tiny_vocab(), 16, 8, 768
+    # Qwen3Config's default head_dim and Qwen3MoeConfig's expert width: transformers' GGUF loader
+    # reads neither qwen3.attention.key_length nor qwen3moe.expert_feed_forward_length
+    tokens, head_dim, experts, expert_ffn = tiny_vocab(), 16 if moe else 128, 8, 768
     tensors = {"token_embd.weight": rng.normal(0, 0.5, (len(tokens), HIDDEN)),
                "output_norm.weight": 1 + 0.3 * rng.normal(size=HIDDEN),
                "output.weight": rng.normal(0, 0.1, (len(tokens), HIDDEN))}
     for i in range(LAYERS):
         shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-                  "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
-                  "ffn_gate_inp": (experts, HIDDEN), "ffn_gate_exps": (experts, expert_ffn, HIDDEN),
-                  "ffn_up_exps": (experts, expert_ffn, HIDDEN), "ffn_down_exps": (experts, HIDDEN, expert_ffn)}
+                  "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim)}
+        if moe:
+            shapes.update({"ffn_gate_inp": (experts, HIDDEN), "ffn_gate_exps": (experts, expert_ffn, HIDDEN),
+                           "ffn_up_exps": (experts, expert_ffn, HIDDEN), "ffn_down_exps": (experts, HIDDEN, expert_ffn)})
+        else:
+            shapes.update({"ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)})
         for kind, shape in shapes.items():
             tensors[f"blk.{i}.{kind}.weight"] = rng.normal(0, 0.5 if kind == "ffn_gate_inp" else 0.1, shape)
         for norm, size in (("attn_norm", HIDDEN), ("ffn_norm", HIDDEN), ("attn_q_norm", head_dim),
                            ("attn_k_norm", head_dim)):
             tensors[f"blk.{i}.{norm}.weight"] = 1 + 0.3 * rng.normal(size=size)
-    writer = gguf_writer(path, "qwen3moe", "gpt2", "qwen2")
+    writer = gguf_writer(path, "qwen3moe" if moe else "qwen3", "gpt2", "qwen2")
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(2)
-    writer.add_expert_feed_forward_length(expert_ffn)
+    if moe:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(expert_ffn)
     writer.add_pad_token_id(0)
-    write_tensors(writer, tensors, {"token_embd": Q.Q8_0, "ffn_up_exps": Q.Q8_0, "attn_k": Q.Q8_0})
+    write_tensors(writer, tensors, {"token_embd": Q.Q8_0, "ffn_up_exps": Q.Q8_0, "ffn_up": Q.Q8_0, "attn_k": Q.Q8_0})
     return path
 
 
-def test_qwen3moe_gguf_matches_transformers(tmp_path):
-    path = write_qwen3moe_gguf(tmp_path / "moe.gguf")
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3moe"])
+def test_qwen3_gguf_matches_transformers(tmp_path, moe):
+    path = write_qwen3_gguf(tmp_path / "qwen3.gguf", moe)
     assert run_cli(path, tmp_path / "out") == 0
     target = dflash_jax.load_target(tmp_path / "out")
-    assert target.cfg.experts.num_experts == 8 and target.cfg.qk_norm
+    assert (target.cfg.experts is not None) == moe and target.cfg.qk_norm
     ids = np.random.default_rng(1).integers(0, target.cfg.vocab_size, size=40)
     with torch.no_grad():
         ref = transformers_from_gguf(path)(torch.tensor(ids)[None]).logits[0]
