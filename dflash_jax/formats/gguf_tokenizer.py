@@ -24,6 +24,9 @@ PRE_TOKENIZER_SPLITS = {
     # Qwen2 / Qwen3: single digits, letters with one leading non-letter, newline runs
     "qwen2": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    # Llama 3: the same with digits in runs of up to three
+    "llama-bpe": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
 # llama.cpp token types (gguf.TokenType): control tokens are special, user-defined ones are
 # plain added tokens; both are matched whole before the regex split.
