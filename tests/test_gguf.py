@@ -56,7 +56,7 @@ def llama_cpp_permute(w, num_heads):
 
 
 def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokenizer_model="gpt2", seed=0,
-                     qtypes=QTYPES, pre="smollm"):
+                     qtypes=QTYPES, pre="smollm", extra=None):
     """A tiny random Llama GGUF laid out like llama.cpp writes one; returns its path."""
     rng = np.random.default_rng(seed)
     tokens = tiny_vocab()
@@ -82,7 +82,7 @@ def write_llama_gguf(path, *, tied=False, architecture="llama", drop=(), tokeniz
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_bos_token_id(1)
     writer.add_pad_token_id(2)
-    write_tensors(writer, {k: v for k, v in tensors.items() if k not in drop}, qtypes)
+    write_tensors(writer, {k: v for k, v in {**tensors, **(extra or {})}.items() if k not in drop}, qtypes)
     return path
 
 
@@ -229,12 +229,50 @@ def test_rope_scaling_from_metadata_survives_config_json(case):
     assert parse_config(to_hf_config(cfg)) == cfg
 
 
-def test_per_frequency_rope_factors_are_refused():
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama3_rope_factors(head_dim: int, theta: float = 1e4) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs.weight` for LLAMA3_ROPE: per frequency,
+    the divisor of its inverse frequency (1 for short wavelengths, `factor` for long ones)."""
+    factor, low, high, old = (LLAMA3_ROPE[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                       "original_max_position_embeddings"))
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = np.clip((old / wavelen - low) / (high - low), 0, 1)
+    return (1 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
+def test_llama3_rope_factors_match_transformers_llama3_rope(tmp_path):
+    """A Llama 3.1-style file (rope_freqs.weight) reads as llama3 RoPE scaling; transformers'
+    GGUF loader ignores the factors, so its model is rebuilt with the scaling they stand for."""
+    import transformers
+
+    factors = llama3_rope_factors(HIDDEN // HEADS)
+    assert 1 < factors[1] < 8  # a frequency on the ramp, which places original_max_position_embeddings
+    path = write_llama_gguf(tmp_path / "tiny.gguf", extra={"rope_freqs.weight": factors})
+    assert run_cli(path, tmp_path / "out") == 0
+    target = dflash_jax.load_target(tmp_path / "out")
+    assert dict(target.cfg.rope.scaling) == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}
+    loaded = transformers_from_gguf(path)
+    config = loaded.config
+    config.rope_parameters = {**LLAMA3_ROPE, "rope_theta": 1e4}
+    reference = transformers.LlamaForCausalLM(config).float().eval()
+    reference.load_state_dict(loaded.state_dict())
+    ids = np.random.default_rng(1).integers(0, target.cfg.vocab_size, size=40)
+    with torch.no_grad():
+        assert rel_err(dflash_jax.target_forward(target, ids)[0], reference(torch.tensor(ids)[None]).logits[0]) <= 1e-4
+        assert rel_err(dflash_jax.target_forward(target, ids)[0], loaded(torch.tensor(ids)[None]).logits[0]) > 1e-3
+
+
+def test_rope_factors_of_another_shape_are_refused():
     from dflash_jax.formats.gguf_reader import target_config_from_gguf
     from dflash_jax.formats.hf_reader import ConversionError
 
-    with pytest.raises(ConversionError, match="rope_freqs.weight"):
-        target_config_from_gguf(METADATA, {"token_embd.weight", "rope_freqs.weight"}, "x.gguf")
+    factors = llama3_rope_factors(16)
+    factors[0] = 1.5  # a short wavelength scaled: not Llama 3's ramp
+    with pytest.raises(ConversionError, match="rope_freqs.weight\\) that are not Llama 3's scaling"):
+        target_config_from_gguf(METADATA, {"token_embd.weight", "rope_freqs.weight"}, "x.gguf", factors)
 
 
 # --- bad input: exit code 2, one line naming the problem, nothing written -----------------------

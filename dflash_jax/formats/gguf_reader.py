@@ -20,6 +20,7 @@ import numpy as np
 from dflash_jax.config import ExpertsConfig, RopeConfig, TargetConfig, to_hf_config
 from dflash_jax.formats.hf_reader import ConversionError, TensorSource
 from dflash_jax.formats.weight_map import WeightRule, target_rules
+from dflash_jax.layers import rope_frequencies
 from dflash_jax.quantization import GGUF_Q8_0
 
 # llama.cpp tensor names -> HF names: whole-model tensors, then per-block ones (`blk.N.`).
@@ -106,7 +107,9 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     reader = open_gguf_reader(path)
     metadata = gguf_metadata(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name)
+    rope_freqs = tensors.pop("rope_freqs.weight", None)
+    cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name,
+                                  None if rope_freqs is None else np.asarray(rope_freqs.data, np.float32))
     # llama.cpp interleaves the q/k rows of llama files only (its `permute`)
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if metadata["general.architecture"] == "llama" else {}
     projections = [f"blk.{i}.{kind}.weight" for i in range(cfg.num_layers) for kind in PROJECTIONS]
@@ -176,17 +179,18 @@ def gguf_metadata(reader) -> dict:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: str) -> TargetConfig:
-    """`<architecture>.*` metadata -> TargetConfig; vocabulary from the token list or the embedding."""
+def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: str,
+                            rope_freqs: np.ndarray | None = None) -> TargetConfig:
+    """`<architecture>.*` metadata -> TargetConfig; vocabulary from the token list or the
+    embedding; `rope_freqs`: the file's `rope_freqs.weight` (Llama 3.1's per-frequency RoPE
+    factors), read back as the llama3 scaling that made them."""
     architecture = metadata.get("general.architecture")
     if architecture not in ARCHITECTURES:
         raise ConversionError(f"{file_name} holds a {architecture!r} model; supported GGUF architectures are "
                               f"{', '.join(ARCHITECTURES)}.")
-    if "rope_freqs.weight" in tensor_names:
-        raise ConversionError(
-            f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style), which "
-            "this converter does not read; convert the HF checkpoint instead."
-        )
+    if "rope_freqs.weight" in tensor_names and rope_freqs is None:
+        raise ConversionError(f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight); pass their "
+                              "values to read them.")
 
     def field(key: str, default=None):
         value = metadata.get(f"{architecture}.{key}", default)
@@ -215,7 +219,9 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         num_kv_heads=int(field("attention.head_count_kv", heads)),
         head_dim=int(field("attention.key_length", hidden // heads)),
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
-        rope=_rope_config(metadata, architecture, file_name),
+        rope=(_rope_config(metadata, architecture, file_name) if rope_freqs is None else
+              _llama3_rope(rope_freqs, float(metadata.get(f"{architecture}.rope.freq_base", 1e4)),
+                           int(field("attention.key_length", hidden // heads)), file_name)),
         max_position_embeddings=int(field("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -223,6 +229,30 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         qk_norm=architecture != "llama",
         experts=experts,
     )
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int, file_name: str) -> RopeConfig:
+    """The llama3 RoPE scaling whose per-frequency factors llama.cpp stored (frequencies divided
+    by them): `factor` the largest, the ramp between the low and high frequency factors 1 and 4
+    (Llama 3.1 and 3.2's) placing `original_max_position_embeddings`. Checked by recomputing
+    every factor; factors of any other shape are refused."""
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen, factor = 2 * np.pi / inv_freq, float(factors.max())
+    ramp = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if factors.shape != inv_freq.shape or factor <= 1 or not ramp.any():
+        raise ConversionError(f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight) that are not "
+                              "Llama 3's scaling; convert the HF checkpoint instead.")
+    smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+    original = int(round(float(np.mean((3 * smooth + 1) * wavelen[ramp]))))
+    rope = RopeConfig(theta=theta, rope_type="llama3", scaling=tuple(sorted(
+        {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": original}.items())))
+    scaled, _ = rope_frequencies(rope, head_dim)
+    if not np.allclose(scaled, inv_freq / factors, rtol=1e-4):
+        raise ConversionError(f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight) that are not "
+                              "Llama 3's scaling; convert the HF checkpoint instead.")
+    return rope
 
 
 def _rope_config(metadata: dict, architecture: str, file_name: str) -> RopeConfig:
