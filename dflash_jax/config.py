@@ -40,9 +40,9 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsConfig:
-    """Routed experts (Qwen3-MoE): a softmax router picks `top_k` of `num_experts` SwiGLU
-    experts per token, their outputs summed with the router's probabilities (renormalised over
-    the chosen ones when `norm_topk_prob`)."""
+    """Routed experts (Qwen3-MoE, gpt-oss): a router picks `top_k` of `num_experts` SwiGLU
+    experts per token, their outputs summed with the router's probabilities (Qwen3-MoE's
+    renormalised over the chosen ones when `norm_topk_prob`)."""
 
     num_experts: int
     top_k: int
@@ -188,7 +188,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=parse_rope(raw, default_theta=1e6 if is_qwen3 else 1e4 if not gpt_oss else 15e4),
+        rope=parse_rope(raw, default_theta=15e4 if gpt_oss else 1e6 if is_qwen3 else 1e4),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", gpt_oss)),

@@ -1,13 +1,15 @@
-"""Routed experts (Qwen3-MoE's sparse feed-forward): a router picks `top_k` experts per token
-and the token's output is their SwiGLU outputs weighted by the router's probabilities.
+"""Routed experts (Qwen3-MoE's and gpt-oss's sparse feed-forward): a router picks `top_k`
+experts per token and the token's output is their SwiGLU outputs weighted by the router's
+probabilities.
 
 Each token is computed alone whatever tokens share its step: the router's choice depends on
 the token only, and the experts' product (`experts_product`) groups the (token, expert) pairs
 by expert without mixing rows. So a verify block computes what single steps compute, and
 greedy DFlash on a MoE target equals its greedy autoregressive decoding.
 
-The product is `jax.lax.ragged_dot` over the pairs sorted by expert: on a GPU XLA reads only
-the experts the step routes to. A grouped-expert kernel of our own is still to come.
+The product is `jax.lax.ragged_dot` over the pairs sorted by expert. XLA's GPU lowering of it
+reads every expert whatever the routing (bench/LESSONS.md): a grouped-expert kernel that reads
+only the routed ones is still to come, and will be chosen by `Kernels` like the others.
 
 On a tensor-parallel mesh the experts are split over "model" (expert parallelism): every
 device sees all tokens, computes the pairs routed to its own experts, and one all-reduce sums
@@ -128,6 +130,7 @@ class RoutedExperts(nnx.Module):
             self.gate_up_bias, self.down_bias = param(2 * inter), param(hidden)
 
     def __call__(self, x_TD, kernels: Kernels = REFERENCE):
+        """`MLP`'s call; `kernels` picks nothing yet (one implementation of the product)."""
         router_logits = dot_general(x_TD, self.router.kernel[...], (((1,), (0,)), ((), ())))
         if self.experts.bias:
             router_logits = router_logits + self.router.bias[...]
