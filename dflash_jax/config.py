@@ -174,7 +174,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     quantization = _quantization(raw)
     if experts is not None and quantization is not None:
         raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
-    if raw.get("hidden_act", "silu") != "silu" and architecture != "GptOssForCausalLM":
+    if raw.get("hidden_act", "silu") != "silu" and not gpt_oss:
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
     heads = _required(raw, "num_attention_heads")
     hidden = _required(raw, "hidden_size")
@@ -225,9 +225,10 @@ def _experts(raw: dict[str, Any], num_layers: int, gpt_oss: bool) -> ExpertsConf
     if not (isinstance(step, int) and step >= 1):
         raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}; fix config.json.")
     if gpt_oss:
-        return ExpertsConfig(num_experts=int(num_experts), top_k=top_k, intermediate_size=_required(raw, "intermediate_size"),
-                             norm_topk_prob=False, layers=tuple(range(num_layers)), softmax_after_top_k=True, bias=True,
-                             interleaved=True, swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        return ExpertsConfig(num_experts=int(num_experts), top_k=top_k,
+                             intermediate_size=_required(raw, "intermediate_size"), norm_topk_prob=False,
+                             layers=tuple(range(num_layers)), softmax_after_top_k=True, bias=True, interleaved=True,
+                             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
                              swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     dense = set(raw.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)

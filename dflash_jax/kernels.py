@@ -5,8 +5,8 @@ DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/
 write) and the 8-bit weights' product. "auto" has one meaning for all five: the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
 mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
-could not). `resolve()` replaces
-"auto" by what it means on this backend; the resolved value travels in each program's
+could not). `resolve()` replaces "auto" by what it means on this backend; the resolved value
+travels in each program's
 static configuration, so it is part of the jit cache key and a different choice compiles a
 different program. Nothing here reads the environment: a caller that wants environment
 defaults (the CLI) reads them itself.
@@ -136,5 +136,6 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product) = auto | reference | pallas (layout also triton); auto, the default, is Pallas on a GPU and the jnp reference elsewhere",
+        "product) = auto | reference | pallas (layout also triton); auto, the default, is Pallas on a GPU "
+        "and the jnp reference elsewhere",
     )

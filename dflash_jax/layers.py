@@ -128,7 +128,8 @@ class MLP(nnx.Module):
                                 quantization=quantization)
 
     def __call__(self, x, kernels: Kernels = REFERENCE):
-        gate_up = apply_linear(self.gate_up_proj, x, kernels).reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
+        gate_up = apply_linear(self.gate_up_proj, x, kernels)
+        gate_up = gate_up.reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
         gate, up = (gate_up[..., i, :].reshape(*x.shape[:-1], self.intermediate) for i in (0, 1))
         return apply_linear(self.down_proj, jax.nn.silu(gate) * up, kernels)
 
@@ -249,7 +250,8 @@ class Attention(nnx.Module):
     def project(self, x_TD, positions_T, kernels: Kernels = REFERENCE) -> ProjectedHeads:
         """The q/k/v product of `x_TD`, heads not yet normed or rotated (`ProjectedHeads`)."""
         cfg = self.cfg
-        qkv_TYH = apply_linear(self.qkv_proj, x_TD, kernels).reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qkv_TYH = apply_linear(self.qkv_proj, x_TD, kernels)
+        qkv_TYH = qkv_TYH.reshape(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         return ProjectedHeads(qkv_TYH, positions_T, self)
 
     def finish_args(self, positions_T) -> tuple:

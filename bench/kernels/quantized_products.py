@@ -61,7 +61,8 @@ def main(argv=None):
     parser.add_argument("--sweep", default="128,256:64,128:1,2,4,8:4:3",
                         help="block_k : block_n : splits : warps : stages lists ('' for none)")
     parser.add_argument("--sweep-rows", default="1,16", help="the rows M the sweep runs at")
-    parser.add_argument("--sweep-block", type=int, default=128, help="the swept weights' input rows per scale (0: per column)")
+    parser.add_argument("--sweep-block", type=int, default=128,
+                        help="the swept weights' input rows per scale (0: per column)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)

@@ -113,13 +113,14 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     # llama.cpp interleaves the q/k rows of llama files only (its `permute`)
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if metadata["general.architecture"] == "llama" else {}
     projections = [f"blk.{i}.{kind}.weight" for i in range(cfg.num_layers) for kind in PROJECTIONS]
-    eight_bit = cfg.experts is None and all(tensors[name].tensor_type == Q8_0 for name in projections if name in tensors)
+    eight_bit = cfg.experts is None and all(tensors[name].tensor_type == Q8_0
+                                            for name in projections if name in tensors)
     scales = {name.removesuffix("weight") + GGUF_Q8_0.hf_scale: name for name in projections} if eight_bit else {}
     experts = {}  # `blk.N.ffn_gate_exps.E.weight` -> (the stacked tensor's name, E)
     for name, tensor in tensors.items():
-        if name.split(".")[2:3] and name.split(".")[2] in EXPERT_TENSORS:
-            stem, suffix = name.rsplit(".", 1)
-            experts.update({f"{stem}.{e}.{suffix}": (name, e) for e in range(int(tensor.shape[-1]))})
+        block, layer, kind, suffix = (name.split(".") + [""] * 4)[:4]
+        if kind in EXPERT_TENSORS:
+            experts.update({f"{block}.{layer}.{kind}.{e}.{suffix}": (name, e) for e in range(int(tensor.shape[-1]))})
 
     @functools.lru_cache(maxsize=len(EXPERT_TENSORS))  # a layer's experts are read one at a time, in turn
     def stacked_experts(name: str) -> np.ndarray:
@@ -199,6 +200,7 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         return value
 
     hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
+    head_dim = int(field("attention.key_length", hidden // heads))
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens) if tokens else metadata.get(f"{architecture}.vocab_size")
     if vocab_size is None:
@@ -217,11 +219,11 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(field("attention.head_count_kv", heads)),
-        head_dim=int(field("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope=(_rope_config(metadata, architecture, file_name) if rope_freqs is None else
-              _llama3_rope(rope_freqs, float(metadata.get(f"{architecture}.rope.freq_base", 1e4)),
-                           int(field("attention.key_length", hidden // heads)), file_name)),
+              _llama3_rope(rope_freqs, float(metadata.get(f"{architecture}.rope.freq_base", 1e4)), head_dim,
+                           file_name)),
         max_position_embeddings=int(field("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,

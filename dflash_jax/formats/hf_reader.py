@@ -71,8 +71,8 @@ def mxfp4_dequantized(source: TensorSource) -> TensorSource:
     nibble first) + `NAME_scales` [E, out, G] (a power of two per 32 values, biased by 127)
     read as one float32 tensor `NAME` [E, in = 32 G, out]: gpt-oss's published experts,
     dequantized at conversion."""
-    pairs = [name.removesuffix("_blocks") for name in source.shapes
-             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in source.shapes]
+    pairs = {name.removesuffix("_blocks") for name in source.shapes
+             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in source.shapes}
     if not pairs:
         return source
 

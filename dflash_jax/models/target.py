@@ -1,8 +1,10 @@
-"""The target model: Qwen3 (q/k norm), Qwen3-MoE (routed experts in some layers) and Llama
-(llama3 RoPE, tied embeddings) in Flax NNX.
+"""The target model: Qwen3 (q/k norm), Qwen3-MoE (routed experts in some layers), gpt-oss
+(attention sinks, windowed layers, routed experts) and Llama (llama3 RoPE, tied embeddings)
+in Flax NNX.
 
-One class covers all three: they differ in the per-head q/k RMSNorm, each layer's
-feed-forward (dense or routed experts, `TargetConfig.layer_experts`) and config values.
+One class covers them all: they differ in the per-head q/k RMSNorm, the attention sinks, each
+layer's attention rule and feed-forward (`TargetConfig.layer_attention`, `layer_experts`: dense
+or routed experts) and config values.
 Attention is delegated to an `attend(layer_idx, heads)` callable (`layers.AttendFn`) so that
 the dense path and the paged runtime share these layers; a layer never sees a cache.
 """
