@@ -7,9 +7,10 @@ the token only, and the experts' product (`experts_product`) groups the (token, 
 by expert without mixing rows. So a verify block computes what single steps compute, and
 greedy DFlash on a MoE target equals its greedy autoregressive decoding.
 
-The product is `jax.lax.ragged_dot` over the pairs sorted by expert. XLA's GPU lowering of it
-reads every expert whatever the routing (bench/LESSONS.md): a grouped-expert kernel that reads
-only the routed ones is still to come, and will be chosen by `Kernels` like the others.
+`Kernels.experts` picks the product: the reference is `jax.lax.ragged_dot` over the pairs
+sorted by expert (XLA's GPU lowering of it reads every expert whatever the routing,
+bench/LESSONS.md); the Pallas kernel (`pallas_kernels/grouped_matmul.py`) takes the pairs in
+tiles of one expert each and reads only the routed experts' matrices.
 
 On a tensor-parallel mesh the experts are split over "model" (expert parallelism): every
 device sees all tokens, computes the pairs routed to its own experts, and one all-reduce sums
@@ -29,6 +30,7 @@ from dflash_jax.config import ExpertsConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import dot_general, linear
 from dflash_jax.sharding import MODEL, tensor_parallel_size
+from pallas_kernels.grouped_matmul import expert_tiles, tile_rows
 
 
 def route(router_logits, experts: ExpertsConfig, dtype):
@@ -59,18 +61,26 @@ def swiglu(pairs, experts: ExpertsConfig):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * experts.swiglu_alpha))
 
 
-def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig):
-    """`_experts_product` (below), usable under `vmap` (the trainer maps the target over a
-    batch of sequences): `ragged_dot` has no batching rule for it, but the product is token
-    by token, so a batch of token sets is one set of all their tokens."""
-    return _token_wise(experts)(x_TD, params, weights, expert_ids)
+def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul=None):
+    """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
+    "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
+    "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`
+    [T, top_k]; an id equal to the number of experts (one another shard holds) adds nothing.
+    `grouped_matmul`: None for XLA's `ragged_dot` over the pairs sorted by expert, or
+    `grouped_matmul_pallas`'s signature over the pairs laid out in tiles of one expert.
+    Usable under `vmap` (the trainer maps the target over a batch of sequences): neither
+    product has a batching rule, but the product is token by token, so a batch of token sets
+    is one set of all their tokens."""
+    return _token_wise(experts, grouped_matmul)(x_TD, params, weights, expert_ids)
 
 
 @functools.lru_cache(maxsize=None)
-def _token_wise(experts: ExpertsConfig):
+def _token_wise(experts: ExpertsConfig, grouped_matmul):
     @jax.custom_batching.custom_vmap
     def product(x_TD, params, weights, expert_ids):
-        return _experts_product(x_TD, params, weights, expert_ids, experts)
+        if grouped_matmul is None:
+            return sorted_pairs_product(x_TD, params, weights, expert_ids, experts)
+        return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul)
 
     @product.def_vmap
     def batched(axis_size, in_batched, x_TD, params, weights, expert_ids):
@@ -84,13 +94,19 @@ def _token_wise(experts: ExpertsConfig):
     return product
 
 
-def _experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig):
-    """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
-    "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
-    "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`
-    [T, top_k]. The (token, expert) pairs are sorted by expert, each expert's rows one group
-    of `ragged_dot`, and the weighted rows summed back per token in float32. An id equal to
-    the number of experts (one another shard holds) adds nothing."""
+def _weighted_sum(out_PD, weights, position_P, T: int, top_k: int, dtype):
+    """Each token's pairs' outputs (row position_P[p] of out_PD for pair p = t * top_k + k;
+    a position past the rows reads zeros) weighted and summed in float32 in k order: a
+    token's sum never depends on the pairs beside it."""
+    rows = jnp.concatenate([out_PD, jnp.zeros((1, out_PD.shape[-1]), out_PD.dtype)])[position_P]
+    rows = (rows * weights.reshape(-1)[:, None]).astype(jnp.float32)
+    return rows.reshape(T, top_k, -1).sum(axis=1).astype(dtype)
+
+
+def sorted_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig,
+                         ragged_dot=jax.lax.ragged_dot):
+    """The pairs sorted by expert, each expert's rows one group of `ragged_dot` (the
+    benchmarks pass other implementations of `jax.lax.ragged_dot`'s signature)."""
     T, top_k = expert_ids.shape
     num_experts = params["gate_up"].shape[0]
     order = jnp.argsort(expert_ids.reshape(-1), stable=True)
@@ -99,15 +115,37 @@ def _experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsCo
     group_sizes = jnp.bincount(expert_ids.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
     def product(rows, name):
-        out = jax.lax.ragged_dot(rows, params[name], group_sizes, preferred_element_type=jnp.float32)
+        out = ragged_dot(rows, params[name], group_sizes, preferred_element_type=jnp.float32)
         if experts.bias:
             out = out + params[f"{name}_bias"][jnp.minimum(sorted_ids, num_experts - 1)].astype(jnp.float32)
         return out.astype(x_TD.dtype)
 
     out = product(swiglu(product(x_TD[token_of], "gate_up"), experts), "down")
-    weights = jnp.where(sorted_ids < num_experts, weights.reshape(-1)[order], 0)
-    out = (out * weights[:, None]).astype(jnp.float32)
-    return jnp.zeros((T, out.shape[-1]), jnp.float32).at[token_of].add(out).astype(x_TD.dtype)
+    position = jnp.where(sorted_ids < num_experts, jnp.arange(order.size), order.size)
+    return _weighted_sum(out, weights, jnp.zeros_like(order).at[order].set(position), T, top_k, x_TD.dtype)
+
+
+def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul):
+    """The pairs in tiles of one expert each (`expert_tiles`), both products by
+    `grouped_matmul`: only the routed experts' matrices are read."""
+    T, top_k = expert_ids.shape
+    num_experts = params["gate_up"].shape[0]
+    ids = expert_ids.reshape(-1)
+    tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts))
+    G, M = tiles.pair_GM.shape
+    x_GMD = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])[tiles.pair_GM // top_k]
+
+    def product(rows, name):
+        out = grouped_matmul(rows, params[name], tiles, top_k=top_k)
+        if experts.bias:
+            out = out + params[f"{name}_bias"][tiles.expert_G][:, None, :].astype(jnp.float32)
+        return out.astype(x_TD.dtype)
+
+    hidden = swiglu(product(x_GMD, "gate_up").reshape(G * M, -1), experts).reshape(G, M, -1)
+    out = product(hidden, "down").reshape(G * M, -1)
+    position = jnp.full((ids.size + 1,), G * M, jnp.int32).at[tiles.pair_GM.reshape(-1)].set(
+        jnp.arange(G * M, dtype=jnp.int32))[:-1]
+    return _weighted_sum(out, weights, position, T, top_k, x_TD.dtype)
 
 
 class RoutedExperts(nnx.Module):
@@ -130,7 +168,7 @@ class RoutedExperts(nnx.Module):
             self.gate_up_bias, self.down_bias = param(2 * inter), param(hidden)
 
     def __call__(self, x_TD, kernels: Kernels = REFERENCE):
-        """`MLP`'s call; `kernels` picks nothing yet (one implementation of the product)."""
+        """`MLP`'s call; `kernels` picks the experts' product."""
         router_logits = dot_general(x_TD, self.router.kernel[...], (((1,), (0,)), ((), ())))
         if self.experts.bias:
             router_logits = router_logits + self.router.bias[...]
@@ -138,13 +176,14 @@ class RoutedExperts(nnx.Module):
         names = ("gate_up", "down", "gate_up_bias", "down_bias") if self.experts.bias else ("gate_up", "down")
         params = {name: getattr(self, name)[...] for name in names}
         if self.mesh is None or self.experts.num_experts % tensor_parallel_size(self.mesh):
-            return experts_product(x_TD, params, weights, expert_ids, self.experts)
+            return experts_product(x_TD, params, weights, expert_ids, self.experts, kernels.grouped_matmul)
 
         def local(x_TD, params, weights, expert_ids):  # this shard's experts; the others' pairs dropped
             held = params["gate_up"].shape[0]
             ids = expert_ids - jax.lax.axis_index(MODEL) * held
             ids = jnp.where((ids >= 0) & (ids < held), ids, held)
-            return jax.lax.psum(experts_product(x_TD, params, weights, ids, self.experts), MODEL)
+            return jax.lax.psum(experts_product(x_TD, params, weights, ids, self.experts, kernels.grouped_matmul),
+                                MODEL)
 
         split, whole = PartitionSpec(MODEL), PartitionSpec()
         return jax.shard_map(local, mesh=self.mesh, in_specs=(whole, split, whole, whole), out_specs=whole,

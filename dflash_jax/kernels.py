@@ -1,8 +1,8 @@
 """Which implementation computes each kernel: one frozen value, resolved once, passed down.
 
-`Kernels` names the implementation of the five kernels a step runs: paged attention, the
+`Kernels` names the implementation of the six kernels a step runs: paged attention, the
 DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
-write) and the 8-bit weights' product. "auto" has one meaning for all five: the Pallas kernel
+write), the 8-bit weights' product and the routed experts' product. "auto" has one meaning for all six: the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
 mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
 could not). `resolve()` replaces "auto" by what it means on this backend; the resolved value
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
+from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 from pallas_kernels.paged_attention import (
     default_block_q, default_kv_splits, paged_attention_pallas, query_blocks,
 )
@@ -39,6 +40,7 @@ CHOICES = {
     "norm": ("auto", "reference", "pallas"),
     "heads": ("auto", "reference", "pallas"),
     "quantized": ("auto", "reference", "pallas"),
+    "experts": ("auto", "reference", "pallas"),
 }
 
 
@@ -52,6 +54,7 @@ class Kernels:
     norm: str = "auto"
     heads: str = "auto"
     quantized: str = "auto"
+    experts: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -102,6 +105,12 @@ class Kernels:
             return quantized_matmul_pallas
         return functools.partial(quantized_matmul_reference, dot_general=dot_general)
 
+    @property
+    def grouped_matmul(self):
+        """The routed experts' product: `grouped_matmul_pallas` (pairs in tiles of one expert,
+        only the routed experts read), or None for the reference (XLA's `ragged_dot`)."""
+        return grouped_matmul_pallas if self._chosen("experts") == "pallas" else None
+
     def paged_attention(self, q_req_T, *, num_rows: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes
         it, for the queries of one step. For the Pallas kernel the query blocks, which depend
@@ -136,6 +145,6 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product) = auto | reference | pallas (layout also triton); auto, the default, is Pallas on a GPU "
-        "and the jnp reference elsewhere",
+        "product), experts (routed experts' product) = auto | reference | pallas (layout also triton); auto, "
+        "the default, is Pallas on a GPU and the jnp reference elsewhere",
     )

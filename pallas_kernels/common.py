@@ -20,6 +20,16 @@ def quiet_triton_deprecation():
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
+def runs_interpreted(interpret: bool | None) -> bool:
+    """Whether a kernel call runs in interpret mode: `interpret`, where None means compiled on a
+    GPU backend (the Triton deprecation warning quieted) and interpreted elsewhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        quiet_triton_deprecation()
+    return interpret
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (max(1, int(n)) - 1).bit_length()

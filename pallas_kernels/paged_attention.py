@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_mask import LayerAttention, position_mask
-from pallas_kernels.common import is_pow2, next_pow2, quiet_triton_deprecation
+from pallas_kernels.common import is_pow2, next_pow2, runs_interpreted
 
 _NEG_INIT = -1e30  # running max before any key (as the jnp reference)
 
@@ -367,10 +367,7 @@ def paged_attention_pallas(
         raise ValueError(f"blocks were cut with block_q={blocks.block_q} but this call's block_q "
                          f"is {block_q}; pass query_blocks(q_req_T, {block_q}).")
 
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    if not interpret:
-        quiet_triton_deprecation()
+    interpret = runs_interpreted(interpret)
     if num_warps is None:
         num_warps = 8 if cfg.block_rows >= 128 else 4
     splits = kv_splits

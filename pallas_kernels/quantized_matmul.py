@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, quiet_triton_deprecation
+from pallas_kernels.common import next_pow2, runs_interpreted
 
 MAX_BLOCK_ROWS = 64  # rows per program; larger calls get more programs along the rows
 MIN_TILE = 16  # Triton's smallest product tile
@@ -127,10 +127,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):
         raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}); "
                          "use default_tiling(K, N, block_in).")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    if not interpret:
-        quiet_triton_deprecation()
+    interpret = runs_interpreted(interpret)
     block_m = min(max(next_pow2(T), MIN_TILE), MAX_BLOCK_ROWS)
     padded = -(-T // block_m) * block_m
     x = jnp.pad(x_TI, ((0, padded - T), (0, 0)))

@@ -94,6 +94,19 @@ def test_greedy_dflash_equals_autoregressive_and_transformers(moe):
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS)
 
 
+def test_the_grouped_expert_kernel_decodes_the_same_tokens(moe):
+    """The Pallas experts' product (interpret mode here) computes the reference's logits, and
+    greedy DFlash through it equals autoregressive decoding through it."""
+    _, _, target, drafter = moe
+    pallas = dflash_jax.Kernels(experts="pallas")
+    reference = dflash_jax.target_forward(target, IDS)[0]
+    assert rel_err(dflash_jax.target_forward(target, IDS, kernels=pallas)[0], reference) <= 1e-5
+    ar = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12, kernels=pallas)
+    spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4, kernels=pallas)
+    assert spec.token_ids == ar.token_ids
+    assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)
+
+
 def test_export_gives_the_checkpoint_back(moe, tmp_path):
     hf, _, target, _ = moe
     export_hf(target, tmp_path / "exported")

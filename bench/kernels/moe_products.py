@@ -8,8 +8,12 @@ For the experts of one sparse layer of `--model` (Qwen3-30B-A3B: 128 experts of 
 2 x 768 -> 2048], top 8; gpt-oss-20b: 32 of [2880 -> 2 x 2880 -> 2880], top 4), M tokens
 each routed to top_k distinct random experts, chained over `--copies` layers' distinct
 weights (so every expert streams from HBM), times:
-  - ragged: `dflash_jax.experts.experts_product` (the library's: `ragged_dot` over the
+  - ragged: `dflash_jax.experts.experts_product`'s reference (XLA's `ragged_dot` over the
     (token, expert) pairs sorted by expert);
+  - pallas: the same through the library's grouped-expert kernel (pairs in tiles of one
+    expert, only the routed experts read: `pallas_kernels/grouped_matmul.py`);
+  - tokamax-mosaic, tokamax-triton: the sorted pairs through openxla/tokamax's `ragged_dot`
+    (Mosaic GPU and Triton kernels), where tokamax is installed;
   - gather: each pair's expert matrices gathered, then batched products (reads top_k experts
     per token, duplicates included);
   - each_pair: a loop over the pairs, each product reading its expert through a dynamic
@@ -35,7 +39,8 @@ def main(argv=None):
 
     from bench.kernels.quantized_products import time_chain
     from dflash_jax.config import parse_config
-    from dflash_jax.experts import experts_product, swiglu
+    from dflash_jax.experts import experts_product, sorted_pairs_product, swiglu
+    from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_output_arguments(parser, out_default="moe_products.json")
@@ -89,6 +94,9 @@ def main(argv=None):
 
     variants = {
         "ragged": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts),
+        "pallas": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts,
+                                                                  grouped_matmul_pallas),
+        **tokamax_variants(sorted_pairs_product, experts),
         "gather": gather,
         "each_pair": each_pair,
         "dense": dense,
@@ -106,16 +114,42 @@ def main(argv=None):
                 continue
             if name == "each_pair" and M > 16:  # a loop of M * top_k steps: for decode and verify rows
                 continue
-            seconds = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
-                                 args.reps)
+            try:
+                seconds = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
+                                     args.reps)
+            except Exception as error:  # an optional library's kernel refusing a shape: recorded, not fatal
+                results.append(dict(rows=M, variant=name, error=f"{type(error).__name__}: {str(error)[:300]}"))
+                print(json.dumps(results[-1]), flush=True)
+                continue
             results.append(dict(rows=M, variant=name, us=seconds * 1e6, experts_touched=touched,
                                 touched_TBps=touched * expert_bytes / seconds / 1e12))
             print(json.dumps(results[-1]), flush=True)
     record.write(dict(model=args.model, copies=args.copies, expert_bytes=expert_bytes, timings=results))
     print(f"\n{'M':>4} {'variant':<8} {'us':>9} {'experts':>8} {'TB/s':>6}")
     for r in results:
+        if "error" in r:
+            print(f"{r['rows']:>4} {r['variant']:<8} failed: {r['error'][:80]}")
+            continue
         print(f"{r['rows']:>4} {r['variant']:<8} {r['us']:9.1f} {r['experts_touched']:>8} {r['touched_TBps']:6.2f}")
     return 0
+
+
+def tokamax_variants(sorted_pairs_product, experts) -> dict:
+    """tokamax's `ragged_dot` kernels over the sorted pairs, where tokamax is installed (a
+    benchmark-only dependency: `pip install tokamax`) and the backend is a GPU."""
+    import functools
+
+    import jax
+
+    try:
+        import tokamax
+    except ImportError:
+        return {}
+    if jax.default_backend() != "gpu":
+        return {}
+    return {f"tokamax-{impl}": lambda x, params, weights, ids, impl=impl: sorted_pairs_product(
+        x, params, weights, ids, experts, ragged_dot=functools.partial(tokamax.ragged_dot, implementation=impl))
+        for impl in ("mosaic", "triton")}
 
 
 if __name__ == "__main__":

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# Mixture-of-experts targets in one device call: the experts' product three ways
-# (bench.kernels.moe_products) for Qwen3-30B-A3B and gpt-oss-20b, then bench.decode.speed on
-# both shapes (AR step, and the DFlash cycle per verify block: what a block costs as it
-# routes to more experts).
+# Mixture-of-experts targets in one device call: the experts' product every way
+# (bench.kernels.moe_products: XLA's ragged_dot, the library's grouped-expert kernel, tokamax
+# where installed) for Qwen3-30B-A3B and gpt-oss-20b, then bench.decode.speed on both shapes
+# (AR step and the DFlash cycle per verify block, at each batch of POINTS: what a block costs
+# as it routes to more experts), and the same steps with the reference product.
 #
-#   OUT=... bash bench/plans/moe.sh COMMIT          # MODELS (default both), POINTS (1x1k), BLOCKS (4,8,16)
+#   OUT=... bash bench/plans/moe.sh COMMIT   # MODELS (both), POINTS (1x1k,32x1k), BLOCKS (4,8,16),
+#                                            # PARTS (products,steps,reference), WHEELS (a folder to pip install)
 #   OUT=/tmp/m SMALL=1 bash bench/plans/moe.sh HEAD  # CPU smoke test
 source "$(dirname "$0")/common.sh"
+parts=${PARTS:-products,steps,reference}
+[ -n "${WHEELS:-}" ] && pip install -q --no-deps "$WHEELS"/*.whl 2>&1 | tail -2
 for model in ${MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
-    echo "== products $model"
-    timeout ${LIMIT:-150} python3 -m bench.kernels.moe_products $small --model "$model" \
-        --out "$out/moe-products-$model.json" > "$out/moe-products-$model.log" 2>&1
-    echo "   rc=$?"
-    decode "moe-${POINTS:-1x1k}-$model" ${LIMIT:-200} "" --model "$([ -z "$small" ] && echo "$model" || echo small-moe)" \
-        --points "$(big "${POINTS:-1x1k}" 1x128)" --sections steps --block-sizes "${BLOCKS:-4,8,16}"
+    shape=$([ -z "$small" ] && echo "$model" || echo small-moe)
+    if [[ $parts == *products* ]]; then
+        echo "== products $model"
+        timeout ${LIMIT:-150} python3 -m bench.kernels.moe_products $small --model "$model" \
+            --out "$out/moe-products-$model.json" > "$out/moe-products-$model.log" 2>&1
+        echo "   rc=$?"
+    fi
+    if [[ $parts == *steps* ]]; then
+        decode "moe-steps-$model" ${LIMIT:-240} "" --model "$shape" --points "$(big "${POINTS:-1x1k,32x1k}" 1x128)" \
+            --sections steps --block-sizes "${BLOCKS:-4,8,16}"
+    fi
+    if [[ $parts == *reference* ]]; then
+        decode "moe-steps-reference-$model" ${LIMIT:-240} "" --model "$shape" --kernels experts=reference \
+            --points "$(big 1x1k 1x128)" --sections steps --block-sizes 16
+    fi
 done
 python3 -m bench.decode.summary "$out"

@@ -1,0 +1,127 @@
+"""Rows grouped by expert times their expert's matrix, as one Pallas kernel that reads only the
+experts some row routes to (Triton lowering on a GPU, interpret mode on CPU).
+
+XLA's `ragged_dot` on the GPU streams every expert's matrix whatever the routing, so a decode
+step of a 128-expert model pays for all 128 while its tokens use 8. Here the rows arrive in
+tiles of `block_m` rows that all go to one expert (`expert_tiles` lays the (token, expert)
+pairs out so); each program multiplies one tile by `block_n` columns of its expert's matrix,
+and a tile no pair fills does no work. The experts' matrices are read once per tile, so a
+step reads the experts it routes to and no others.
+
+The tiling (`default_tiling`) depends on the matrix's shape and the model's top k, never on
+the number of rows, and each tile row is computed alone: a row's result is the same whatever
+rows share its call, so a verify block computes what single steps compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, runs_interpreted
+from pallas_kernels.quantized_matmul import MIN_TILE, Tiling, default_tiling
+
+MAX_BLOCK_M = 64  # rows per tile at most (prefill shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """The (token, expert) pairs laid out as tiles of one expert each: `pair_GM` [G, M], the
+    pair in each tile row (P, the number of pairs, where the row is empty); `expert_G` [G],
+    each tile's expert; `used_G` [G], whether any pair fills the tile."""
+
+    pair_GM: jax.Array
+    expert_G: jax.Array
+    used_G: jax.Array
+
+
+jax.tree_util.register_dataclass(ExpertTiles, data_fields=["pair_GM", "expert_G", "used_G"], meta_fields=[])
+
+
+def tile_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile for a call of `num_pairs` pairs: Triton's smallest product tile at
+    decode and verify shapes, up to MAX_BLOCK_M as the pairs per expert grow (prefill)."""
+    return min(MAX_BLOCK_M, max(MIN_TILE, next_pow2(-(-num_pairs // num_experts))))
+
+
+def expert_tiles(expert_ids_P, num_experts: int, block_m: int) -> ExpertTiles:
+    """`expert_ids_P` [P] (ids >= num_experts are dropped: another shard's experts) as tiles
+    of `block_m` rows of one expert each, in expert order. There are at most
+    ceil(P / block_m) + min(P, num_experts) tiles: that many, the unused ones last."""
+    (P,) = expert_ids_P.shape
+    G = -(-P // block_m) + min(P, num_experts)
+    order = jnp.argsort(expert_ids_P, stable=True)
+    sorted_ids = expert_ids_P[order]
+    counts = jnp.bincount(expert_ids_P, length=num_experts + 1)[:num_experts]
+    tiles = -(-counts // block_m)
+    tile_end = jnp.cumsum(tiles)
+    first_pair = jnp.cumsum(counts) - counts
+    valid = sorted_ids < num_experts
+    expert = jnp.minimum(sorted_ids, num_experts - 1)
+    rank = jnp.arange(P) - first_pair[expert]
+    tile = jnp.where(valid, tile_end[expert] - tiles[expert] + rank // block_m, G)
+    pair_GM = jnp.full((G, block_m), P, jnp.int32).at[tile, rank % block_m].set(order.astype(jnp.int32), mode="drop")
+    expert_G = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(G), side="right"), num_experts - 1)
+    return ExpertTiles(pair_GM, expert_G.astype(jnp.int32), jnp.arange(G) < tile_end[-1])
+
+
+def grouped_matmul_reference(x_GMK, weights_EKN, tiles: ExpertTiles):
+    """x_GMK[g] @ weights_EKN[expert_G[g]] in float32, zeros for unused tiles (jnp: each
+    tile's matrix gathered)."""
+    out = jnp.einsum("gmk,gkn->gmn", x_GMK, weights_EKN[tiles.expert_G], preferred_element_type=jnp.float32)
+    return jnp.where(tiles.used_G[:, None, None], out, 0)
+
+
+def grouped_tiling(K: int, N: int, top_k: int) -> Tiling | None:
+    """The tiling for experts' [K, N] matrices: `default_tiling`'s, with the column blocks
+    and row splits sized to fill the GPU at one decode token (top_k tiles)."""
+    return default_tiling(K, N, None, programs=max(1, 264 // top_k))
+
+
+def _kernel(x_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int, steps: int):
+    col_block, split, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bk, bn = tiling.block_k, tiling.block_n
+    cols = pl.ds(col_block * bn, bn)
+    first_row = expert_ref[g] * K
+
+    def step(j, acc):
+        k0 = (split * steps + j) * bk
+        x = x_ref[g, :, pl.ds(k0, bk)]
+        w = w_ref[pl.ds(first_row + k0, bk), cols]
+        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    trips = jnp.where(used_ref[g], steps, 0)
+    acc = lax.fori_loop(0, trips, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
+    o_ref[split, g, :, cols] = acc
+
+
+def grouped_matmul_pallas(x_GMK, weights_EKN, tiles: ExpertTiles, *, top_k: int, tiling: Tiling | None = None,
+                          interpret: bool | None = None):
+    """`grouped_matmul_reference` (same arguments and result) as one kernel reading only the
+    used tiles' experts. A matrix no tile fits takes the reference. top_k: the pairs per
+    token (the tiling's assumed tiles at one token). interpret: None runs compiled on a GPU
+    backend and in interpret mode elsewhere."""
+    G, M, K = x_GMK.shape
+    E, _, N = weights_EKN.shape
+    tiling = tiling or grouped_tiling(K, N, top_k)
+    if tiling is None:
+        return grouped_matmul_reference(x_GMK, weights_EKN, tiles)
+    if K % (tiling.block_k * tiling.splits) or N % tiling.block_n:
+        raise ValueError(f"tiling {tiling} does not divide the experts' matrices [{K}, {N}]; "
+                         "use grouped_tiling(K, N, top_k).")
+    interpret = runs_interpreted(interpret)
+    out = pl.pallas_call(
+        functools.partial(_kernel, tiling=tiling, K=K, steps=K // tiling.block_k // tiling.splits),
+        out_shape=jax.ShapeDtypeStruct((tiling.splits, G, M, N), jnp.float32),
+        grid=(N // tiling.block_n, tiling.splits, G),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name="grouped_matmul",
+    )(x_GMK, weights_EKN.reshape(E * K, N), tiles.expert_G, tiles.used_G.astype(jnp.int32))
+    return out[0] if tiling.splits == 1 else out.sum(axis=0)

@@ -1,0 +1,103 @@
+"""The grouped-expert product (pallas_kernels/grouped_matmul.py, interpret mode on CPU): the
+pairs' tile layout holds each routed pair once, in a tile of its own expert; the kernel
+computes its jnp reference for several tilings; the experts' product through it equals the
+`ragged_dot` reference for Qwen-style and gpt-oss-style experts, and a token's output does not
+depend on the tokens beside it (bit for bit)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ExpertsConfig
+from dflash_jax.experts import experts_product
+from dflash_jax.kernels import Kernels
+from pallas_kernels.grouped_matmul import (
+    expert_tiles, grouped_matmul_pallas, grouped_matmul_reference, grouped_tiling, tile_rows,
+)
+from pallas_kernels.quantized_matmul import Tiling
+
+
+def routed_ids(tokens: int, num_experts: int, top_k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (13, 8, 2, 16), (40, 4, 3, 16),
+                                                             (300, 16, 4, 64)])
+def test_tiles_hold_each_routed_pair_once_with_its_expert(tokens, num_experts, top_k, block_m):
+    ids = routed_ids(tokens, num_experts, top_k, seed=tokens)
+    ids[0, 0] = num_experts  # another shard's expert: dropped
+    tiles = jax.tree.map(np.asarray, expert_tiles(jnp.asarray(ids.reshape(-1)), num_experts, block_m))
+    P = ids.size
+    filled = tiles.pair_GM[tiles.pair_GM < P]
+    assert sorted(filled.tolist()) == [p for p in range(P) if ids.reshape(-1)[p] < num_experts]
+    for g, row in enumerate(tiles.pair_GM):
+        pairs = row[row < P]
+        assert tiles.used_G[g] == (len(pairs) > 0)
+        assert (ids.reshape(-1)[pairs] == tiles.expert_G[g]).all()
+    used = tiles.used_G.sum()
+    assert tiles.used_G[:used].all() and not tiles.used_G[used:].any()  # the used tiles first
+    counts = np.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts]
+    assert used == (-(-counts // block_m)).sum()  # no more tiles than each expert's rows need
+
+
+def test_tile_rows_grow_with_the_pairs_per_expert():
+    assert tile_rows(8, 128) == 16 and tile_rows(128, 128) == 16
+    assert tile_rows(16 * 1024, 128) == 64
+
+
+@pytest.mark.parametrize("tiling", [None, Tiling(16, 32, 1), Tiling(16, 16, 2), Tiling(32, 64, 2)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_computes_its_reference(tiling, dtype):
+    E, K, N, top_k = 6, 64, 64, 2
+    ids = routed_ids(9, E, top_k, seed=1).reshape(-1)
+    tiles = expert_tiles(jnp.asarray(ids), E, 16)
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(key_x, (*tiles.pair_GM.shape, K), jnp.float32).astype(dtype)
+    weights = jax.random.normal(key_w, (E, K, N), jnp.float32).astype(dtype)
+    got = grouped_matmul_pallas(x, weights, tiles, top_k=top_k, tiling=tiling, interpret=True)
+    want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()  # unused tiles: zeros
+
+
+def test_a_tiling_that_does_not_divide_is_refused():
+    tiles = expert_tiles(jnp.zeros(2, jnp.int32), 2, 16)
+    with pytest.raises(ValueError, match="does not divide"):
+        grouped_matmul_pallas(jnp.zeros((*tiles.pair_GM.shape, 48)), jnp.zeros((2, 48, 32)), tiles, top_k=1,
+                              tiling=Tiling(32, 32, 1), interpret=True)
+
+
+def test_tilings_depend_on_the_shape_and_top_k_only():
+    assert grouped_tiling(2048, 1536, 8) == Tiling(128, 128, 2)
+    assert grouped_tiling(768, 2048, 8) == Tiling(128, 128, 1)
+    assert grouped_tiling(2880, 5760, 4) is not None and grouped_tiling(40, 64, 2) is None
+
+
+QWEN = ExpertsConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, layers=(0,))
+GPT_OSS = ExpertsConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False, layers=(0,),
+                        softmax_after_top_k=True, bias=True, interleaved=True, swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+@pytest.mark.parametrize("experts", [QWEN, GPT_OSS], ids=["qwen3-moe", "gpt-oss"])
+def test_experts_product_through_the_kernel_equals_ragged_dot(experts):
+    E, D, inter = experts.num_experts, 64, experts.intermediate_size
+    keys = jax.random.split(jax.random.key(1), 6)
+    params = {"gate_up": jax.random.normal(keys[0], (E, D, 2 * inter)), "down": jax.random.normal(keys[1], (E, inter, D))}
+    if experts.bias:
+        params.update(gate_up_bias=jax.random.normal(keys[2], (E, 2 * inter)),
+                      down_bias=jax.random.normal(keys[3], (E, D)))
+    T = 11
+    x = jax.random.normal(keys[4], (T, D))
+    ids = jnp.asarray(routed_ids(T, E, experts.top_k, seed=2)).at[3, 1].set(E)  # one pair on another shard
+    weights = jax.nn.softmax(jax.random.normal(keys[5], (T, experts.top_k)))
+    kernel = Kernels(experts="pallas").grouped_matmul
+    assert Kernels(experts="reference").grouped_matmul is None
+    want = experts_product(x, params, weights, ids, experts)
+    got = experts_product(x, params, weights, ids, experts, kernel)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
+    alone = jnp.concatenate([experts_product(x[t:t + 1], params, weights[t:t + 1], ids[t:t + 1], experts, kernel)
+                             for t in range(T)])
+    assert (np.asarray(alone) == np.asarray(got)).all()  # a token's output is its own, bit for bit
