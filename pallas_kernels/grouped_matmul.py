@@ -89,12 +89,14 @@ def _kernel(x_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int
     bk, bn = tiling.block_k, tiling.block_n
     cols = pl.ds(col_block * bn, bn)
     first_row = expert_ref[g] * K
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # float32 stays float32, not TF32
 
     def step(j, acc):
         k0 = (split * steps + j) * bk
         x = x_ref[g, :, pl.ds(k0, bk)]
         w = w_ref[pl.ds(first_row + k0, bk), cols]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
 
     trips = jnp.where(used_ref[g], steps, 0)
     acc = lax.fori_loop(0, trips, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
