@@ -98,7 +98,7 @@ def _kernel(x_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    trips = jnp.where(used_ref[g], steps, 0)
+    trips = used_ref[g] * steps  # an unused tile: no steps
     acc = lax.fori_loop(0, trips, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
     o_ref[split, g, :, cols] = acc
 

@@ -1,8 +1,8 @@
-"""The grouped-expert product (pallas_kernels/grouped_matmul.py, interpret mode on CPU): the
-pairs' tile layout holds each routed pair once, in a tile of its own expert; the kernel
-computes its jnp reference for several tilings; the experts' product through it equals the
-`ragged_dot` reference for Qwen-style and gpt-oss-style experts, and a token's output does not
-depend on the tokens beside it (bit for bit)."""
+"""The grouped-expert product (pallas_kernels/grouped_matmul.py; compiled on a GPU, interpret
+mode on CPU): the pairs' tile layout holds each routed pair once, in a tile of its own expert;
+the kernel computes its jnp reference for several tilings; the experts' product through it
+equals the `ragged_dot` reference for Qwen-style and gpt-oss-style experts, and a token's
+output does not depend on the tokens beside it (bit for bit)."""
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +56,9 @@ def test_kernel_computes_its_reference(tiling, dtype):
     key_x, key_w = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (*tiles.pair_GM.shape, K), jnp.float32).astype(dtype)
     weights = jax.random.normal(key_w, (E, K, N), jnp.float32).astype(dtype)
-    got = grouped_matmul_pallas(x, weights, tiles, top_k=top_k, tiling=tiling, interpret=True)
-    want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles)
+    got = grouped_matmul_pallas(x, weights, tiles, top_k=top_k, tiling=tiling)
+    with jax.default_matmul_precision("highest"):  # a GPU's default float32 product is TF32
+        want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()  # unused tiles: zeros
@@ -67,7 +68,7 @@ def test_a_tiling_that_does_not_divide_is_refused():
     tiles = expert_tiles(jnp.zeros(2, jnp.int32), 2, 16)
     with pytest.raises(ValueError, match="does not divide"):
         grouped_matmul_pallas(jnp.zeros((*tiles.pair_GM.shape, 48)), jnp.zeros((2, 48, 32)), tiles, top_k=1,
-                              tiling=Tiling(32, 32, 1), interpret=True)
+                              tiling=Tiling(32, 32, 1))
 
 
 def test_tilings_depend_on_the_shape_and_top_k_only():
@@ -95,7 +96,8 @@ def test_experts_product_through_the_kernel_equals_ragged_dot(experts):
     weights = jax.nn.softmax(jax.random.normal(keys[5], (T, experts.top_k)))
     kernel = Kernels(experts="pallas").grouped_matmul
     assert Kernels(experts="reference").grouped_matmul is None
-    want = experts_product(x, params, weights, ids, experts)
+    with jax.default_matmul_precision("highest"):
+        want = experts_product(x, params, weights, ids, experts)
     got = experts_product(x, params, weights, ids, experts, kernel)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
     alone = jnp.concatenate([experts_product(x[t:t + 1], params, weights[t:t + 1], ids[t:t + 1], experts, kernel)

@@ -143,7 +143,8 @@ def tokamax_variants(sorted_pairs_product, experts) -> dict:
 
     try:
         import tokamax
-    except ImportError:
+    except ImportError as error:
+        print(f"tokamax not measured: {error}", flush=True)
         return {}
     if jax.default_backend() != "gpu":
         return {}
