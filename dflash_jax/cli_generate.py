@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample among the most likely tokens holding this much probability; 1 keeps every one")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled tokens (with --temperature above 0)")
-    parser.add_argument("--block-size", type=int, help="verified block: last token + drafts (default: the drafter's)")
+    parser.add_argument("--block-size", type=int, help="verified block: last token + drafts (default: the drafter's; "
+                        "on a mixture-of-experts target the block its cycle cost favours)")
     parser.add_argument("--draft-block-size", type=int,
                         help="block the drafter fills, of which --block-size - 1 drafts are verified (default: the drafter's)")
     parser.add_argument(

@@ -120,9 +120,10 @@ class Engine:
                                 else check_count("cycles_per_step", cycles_per_step))
         if not isinstance(kernels, Kernels):
             raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
+        max_num_reqs = check_count("max_num_reqs", max_num_reqs)
         if drafter is not None:
             check_drafter_fits_target(target.cfg, drafter.cfg)
-            block_size = resolve_block_size(drafter.cfg, block_size)
+            block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=max_num_reqs)
             draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
         elif block_size is not None or draft_block_size is not None:
             raise ValueError("block_size and draft_block_size need a drafter; pass one, or drop them for plain decoding.")
@@ -134,7 +135,6 @@ class Engine:
             num_pages = check_count("num_pages", num_pages, 2)
         if kv_cache_memory_bytes is not None:
             kv_cache_memory_bytes = check_count("kv_cache_memory_bytes", kv_cache_memory_bytes)
-        max_num_reqs = check_count("max_num_reqs", max_num_reqs)
         max_num_tokens = check_count("max_num_tokens", max_num_tokens)
         self.num_drafts = 0 if drafter is None else block_size - 1
         limit = target.cfg.max_position_embeddings

@@ -14,7 +14,8 @@ import time
 import numpy as np
 
 from dflash_jax import sampling
-from dflash_jax.config import DrafterConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.verify_block import default_block_size
 
 INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 64  # logit bias entries one request may have (the width of the step's bias rows)
@@ -144,10 +145,14 @@ def _check_int_array(name: str, value, hint: str) -> np.ndarray:
     return np.asarray(flat, np.int64)
 
 
-def resolve_block_size(drafter: DrafterConfig, block_size: int | None) -> int:
-    """The block size to draft with: the trained B by default, anything in [2, B]."""
+def resolve_block_size(drafter: DrafterConfig, block_size: int | None, target: TargetConfig | None = None,
+                       batch: int = 1) -> int:
+    """The block size to draft with: anything in [2, B] (B the trained block); by default B, or
+    for a mixture-of-experts `target` the block its cycle cost favours at `batch` requests
+    (`verify_block.default_block_size`)."""
     trained = drafter.trained_block_size
-    block_size = trained if block_size is None else block_size
+    if block_size is None:
+        return trained if target is None else default_block_size(target, trained, batch)
     if not is_int(block_size):
         raise ValueError(f"block_size must be an integer in [2, {trained}], got {block_size!r}.")
     if not 2 <= block_size <= trained:

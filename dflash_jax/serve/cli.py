@@ -88,8 +88,9 @@ def add_parser(subparsers) -> None:
                         help="start each request from the cached KV pages (the target's and the drafter's) of the "
                         "longest prefix an earlier request computed; --no-prefix-caching computes every prompt anew")
     parser.add_argument("--block-size", type=int,
-                        help="verified block (default: the drafter's; for the demo pair on a CPU 8 in bfloat16, "
-                        "4 in float32, as `demo`)")
+                        help="verified block (default: the drafter's; on a mixture-of-experts target the block its "
+                        "cycle cost favours at --max-num-reqs requests; for the demo pair on a CPU 8 in bfloat16, 4 in "
+                        "float32, as `demo`)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="compute dtype (default: bfloat16 for the demo pair, else the target's stored dtype)")
     parser.add_argument("--compile-threads", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
@@ -199,6 +200,7 @@ def load_models(args) -> ServedModels:
     Benchmarks load through this too, to compare the server with `generate` on what it serves."""
     import dflash_jax
     from dflash_jax import demo
+    from dflash_jax.requests import resolve_block_size
     from dflash_jax.tokenizer import load_tokenizer
 
     demo_pair = args.target is None
@@ -225,7 +227,8 @@ def load_models(args) -> ServedModels:
     info = ModelInfo(
         name=args.served_model_name or (demo.TARGET_DIR_NAME if demo_pair else Path(target_path).stem),
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
-        block_size=(block_size or drafter.cfg.trained_block_size) if drafter is not None else 1,
+        block_size=(resolve_block_size(drafter.cfg, block_size, target.cfg, batch=args.max_num_reqs)
+                    if drafter is not None else 1),
     )
     return ServedModels(target, drafter, tokenizer, info)
 

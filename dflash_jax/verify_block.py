@@ -1,0 +1,95 @@
+"""The verify block a mixture-of-experts target takes by default: the one whose cycle returns
+the most tokens per unit of time, from a cost model of the cycle and the drafter's acceptance.
+
+Cost. At decode and verify shapes a target pass is bound by what it reads (or, for many
+tokens, by its products): the dense weights once, the LM head once, and each expert that some
+token routes to. With `top_k` of E experts chosen per token, n tokens touch on average
+E (1 - (1 - top_k / E)^n) of them (routing taken as uniform; real routers concentrate, which
+only makes larger blocks cheaper). So a verify block of 16 tokens reads far more of a MoE
+layer than one decode token does, while on a dense target it reads what a step reads. The
+pass's time is the larger of its bytes over the memory bandwidth and its products over the
+peak rate (`Roofline`, an H200's by default; only their ratio matters).
+
+Return. With a per-position acceptance rate a, a block of b tokens (b - 1 drafts) yields
+1 + a + ... + a^(b - 1) tokens per cycle. `DEFAULT_ACCEPTANCE` is what the published
+block-16 DFlash drafters reach on code (bench/NOTES.md says which numbers).
+
+The default block (`default_block_size`) maximises tokens per cycle time over the powers of two
+from 4 up to the drafter's trained block (and the trained block). Dense targets keep the
+trained block: the model would choose it at the batches it covers, and on a CPU (the demo's
+own choice there) it does not apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.config import TargetConfig
+
+DEFAULT_ACCEPTANCE = 0.86  # per position: 6.5 tokens per block-16 cycle
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A GPU's memory bandwidth (bytes/s) and product rate (flop/s): an H200's in bf16."""
+
+    bandwidth: float = 4.0e12
+    flops: float = 7.9e14
+
+
+def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts `tokens` tokens route to (uniform routing)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def pass_cost(cfg: TargetConfig, tokens: int, itemsize: int = 2, roofline: Roofline = Roofline()) -> dict:
+    """What one target pass over `tokens` tokens reads and computes: "bytes", "flops" (weights
+    only: the KV cache's share grows with the context, not with the block) and "seconds"."""
+    D, H = cfg.hidden_size, cfg.head_dim
+    attention = D * H * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    dense_mlp = 3 * D * cfg.intermediate_size
+    head = cfg.vocab_size * D
+    weights, active = head, head  # parameters read, and used per token
+    for layer in range(cfg.num_layers):
+        experts = cfg.layer_experts(layer)
+        weights, active = weights + attention, active + attention
+        if experts is None:
+            weights, active = weights + dense_mlp, active + dense_mlp
+            continue
+        per_expert = 3 * D * experts.intermediate_size
+        router = D * experts.num_experts
+        weights += router + per_expert * experts_touched(experts.num_experts, experts.top_k, tokens)
+        active += router + per_expert * experts.top_k
+    nbytes, flops = weights * itemsize, 2 * active * tokens
+    return dict(bytes=nbytes, flops=flops, seconds=max(nbytes / roofline.bandwidth, flops / roofline.flops))
+
+
+def tokens_per_cycle(block_size: int, acceptance: float = DEFAULT_ACCEPTANCE) -> float:
+    """The expected tokens a cycle of `block_size` yields at per-position `acceptance`."""
+    return sum(acceptance ** i for i in range(block_size))
+
+
+def projected_speedup(cfg: TargetConfig, block_size: int, batch: int, acceptance: float = DEFAULT_ACCEPTANCE,
+                      drafter_seconds: float = 0.0, roofline: Roofline = Roofline()) -> float:
+    """Tokens per second of DFlash at `block_size` over autoregressive decoding's, both at
+    `batch` requests, from the cost model (`drafter_seconds`: the drafter's share of a cycle)."""
+    step = pass_cost(cfg, batch, roofline=roofline)["seconds"]
+    cycle = pass_cost(cfg, batch * block_size, roofline=roofline)["seconds"] + drafter_seconds
+    return tokens_per_cycle(block_size, acceptance) * step / cycle
+
+
+def candidate_block_sizes(trained: int) -> list[int]:
+    """Powers of two from 4 below the trained block, and the trained block."""
+    sizes, size = [], 4
+    while size < trained:
+        sizes.append(size)
+        size *= 2
+    return sizes + [trained]
+
+
+def default_block_size(cfg: TargetConfig, trained: int, batch: int, acceptance: float = DEFAULT_ACCEPTANCE) -> int:
+    """The verify block a run of `batch` requests takes when none is given: the trained block
+    on a dense target; on a MoE target, the candidate with the best projected speedup."""
+    if cfg.experts is None:
+        return trained
+    return max(candidate_block_sizes(trained), key=lambda b: projected_speedup(cfg, b, batch, acceptance))
