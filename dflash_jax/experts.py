@@ -143,9 +143,7 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
 
     hidden = swiglu(product(x_GMD, "gate_up").reshape(G * M, -1), experts).reshape(G, M, -1)
     out = product(hidden, "down").reshape(G * M, -1)
-    position = jnp.full((ids.size + 1,), G * M, jnp.int32).at[tiles.pair_GM.reshape(-1)].set(
-        jnp.arange(G * M, dtype=jnp.int32))[:-1]
-    return _weighted_sum(out, weights, position, T, top_k, x_TD.dtype)
+    return _weighted_sum(out, weights, tiles.row_P, T, top_k, x_TD.dtype)
 
 
 class RoutedExperts(nnx.Module):

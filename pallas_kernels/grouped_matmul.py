@@ -33,15 +33,18 @@ MAX_BLOCK_M = 64  # rows per tile at most (prefill shapes)
 @dataclasses.dataclass(frozen=True)
 class ExpertTiles:
     """The (token, expert) pairs laid out as tiles of one expert each: `pair_GM` [G, M], the
-    pair in each tile row (P, the number of pairs, where the row is empty); `expert_G` [G],
-    each tile's expert; `used_G` [G], whether any pair fills the tile."""
+    pair in each tile row (P, the number of pairs, where the row is empty); `row_P` [P], each
+    pair's row in the flattened tiles (G * M for a dropped pair); `expert_G` [G], each tile's
+    expert; `used_G` [G], whether any pair fills the tile."""
 
     pair_GM: jax.Array
+    row_P: jax.Array
     expert_G: jax.Array
     used_G: jax.Array
 
 
-jax.tree_util.register_dataclass(ExpertTiles, data_fields=["pair_GM", "expert_G", "used_G"], meta_fields=[])
+jax.tree_util.register_dataclass(ExpertTiles, data_fields=["pair_GM", "row_P", "expert_G", "used_G"],
+                                 meta_fields=[])
 
 
 def tile_rows(num_pairs: int, num_experts: int) -> int:
@@ -50,25 +53,40 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
     return min(MAX_BLOCK_M, max(MIN_TILE, next_pow2(-(-num_pairs // num_experts))))
 
 
+def pairs_tile_alone(num_pairs: int, num_experts: int) -> bool:
+    """Whether each pair takes a tile of its own: with at most a quarter as many pairs as
+    experts (decode steps), two pairs rarely share an expert, and laying the pairs out by
+    expert would cost more (small launches) than the odd expert read twice."""
+    return 4 * num_pairs <= num_experts
+
+
 def expert_tiles(expert_ids_P, num_experts: int, block_m: int) -> ExpertTiles:
     """`expert_ids_P` [P] (ids >= num_experts are dropped: another shard's experts) as tiles
-    of `block_m` rows of one expert each, in expert order. There are at most
-    ceil(P / block_m) + min(P, num_experts) tiles: that many, the unused ones last."""
+    of `block_m` rows of one expert each: one tile per pair (`pairs_tile_alone`), or the
+    pairs grouped by expert, in expert order, in at most ceil(P / block_m) + min(P,
+    num_experts) tiles (that many, the unused ones last). No sort: each pair's rank among its
+    expert's pairs is a running count."""
     (P,) = expert_ids_P.shape
-    G = -(-P // block_m) + min(P, num_experts)
-    order = jnp.argsort(expert_ids_P, stable=True)
-    sorted_ids = expert_ids_P[order]
-    counts = jnp.bincount(expert_ids_P, length=num_experts + 1)[:num_experts]
-    tiles = -(-counts // block_m)
-    tile_end = jnp.cumsum(tiles)
-    first_pair = jnp.cumsum(counts) - counts
-    valid = sorted_ids < num_experts
-    expert = jnp.minimum(sorted_ids, num_experts - 1)
-    rank = jnp.arange(P) - first_pair[expert]
-    tile = jnp.where(valid, tile_end[expert] - tiles[expert] + rank // block_m, G)
-    pair_GM = jnp.full((G, block_m), P, jnp.int32).at[tile, rank % block_m].set(order.astype(jnp.int32), mode="drop")
-    expert_G = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(G), side="right"), num_experts - 1)
-    return ExpertTiles(pair_GM, expert_G.astype(jnp.int32), jnp.arange(G) < tile_end[-1])
+    valid = expert_ids_P < num_experts
+    expert = jnp.minimum(expert_ids_P, num_experts - 1).astype(jnp.int32)
+    if pairs_tile_alone(P, num_experts):
+        G = P
+        row_P = jnp.where(valid, jnp.arange(P) * block_m, G * block_m)
+        expert_G, used_G = expert, valid
+    else:
+        G = -(-P // block_m) + min(P, num_experts)
+        one_hot = (expert_ids_P[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
+        running = jnp.cumsum(one_hot, axis=0)  # [P, E]: pairs of each expert so far
+        rank = jnp.take_along_axis(running, expert[:, None], axis=1)[:, 0] - 1
+        tiles = -(-running[-1] // block_m)
+        tile_end = jnp.cumsum(tiles)
+        tile = tile_end[expert] - tiles[expert] + rank // block_m
+        row_P = jnp.where(valid, tile * block_m + rank % block_m, G * block_m)
+        expert_G = jnp.minimum((tile_end[None, :] <= jnp.arange(G)[:, None]).sum(axis=1), num_experts - 1)
+        used_G = jnp.arange(G) < tile_end[-1]
+    pair_GM = jnp.full((G * block_m + 1,), P, jnp.int32).at[row_P].set(jnp.arange(P, dtype=jnp.int32))
+    return ExpertTiles(pair_GM[:-1].reshape(G, block_m), row_P.astype(jnp.int32), expert_G.astype(jnp.int32),
+                       used_G)
 
 
 def grouped_matmul_reference(x_GMK, weights_EKN, tiles: ExpertTiles):

@@ -13,7 +13,7 @@ from dflash_jax.config import ExpertsConfig
 from dflash_jax.experts import experts_product
 from dflash_jax.kernels import Kernels
 from pallas_kernels.grouped_matmul import (
-    expert_tiles, grouped_matmul_pallas, grouped_matmul_reference, grouped_tiling, tile_rows,
+    expert_tiles, grouped_matmul_pallas, grouped_matmul_reference, grouped_tiling, pairs_tile_alone, tile_rows,
 )
 from pallas_kernels.quantized_matmul import Tiling
 
@@ -23,22 +23,29 @@ def routed_ids(tokens: int, num_experts: int, top_k: int, seed: int) -> np.ndarr
     return np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
 
 
-@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (13, 8, 2, 16), (40, 4, 3, 16),
-                                                             (300, 16, 4, 64)])
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (2, 32, 4, 16), (13, 8, 2, 16),
+                                                             (40, 4, 3, 16), (300, 16, 4, 64)])
 def test_tiles_hold_each_routed_pair_once_with_its_expert(tokens, num_experts, top_k, block_m):
     ids = routed_ids(tokens, num_experts, top_k, seed=tokens)
     ids[0, 0] = num_experts  # another shard's expert: dropped
-    tiles = jax.tree.map(np.asarray, expert_tiles(jnp.asarray(ids.reshape(-1)), num_experts, block_m))
+    flat = ids.reshape(-1)
+    tiles = jax.tree.map(np.asarray, expert_tiles(jnp.asarray(flat), num_experts, block_m))
     P = ids.size
+    routed = [p for p in range(P) if flat[p] < num_experts]
     filled = tiles.pair_GM[tiles.pair_GM < P]
-    assert sorted(filled.tolist()) == [p for p in range(P) if ids.reshape(-1)[p] < num_experts]
+    assert sorted(filled.tolist()) == routed
+    assert (tiles.pair_GM.reshape(-1)[tiles.row_P[routed]] == routed).all()
+    assert (tiles.row_P[flat >= num_experts] == tiles.pair_GM.size).all()
     for g, row in enumerate(tiles.pair_GM):
         pairs = row[row < P]
         assert tiles.used_G[g] == (len(pairs) > 0)
-        assert (ids.reshape(-1)[pairs] == tiles.expert_G[g]).all()
+        assert (flat[pairs] == tiles.expert_G[g]).all()
+    if pairs_tile_alone(P, num_experts):
+        assert len(tiles.pair_GM) == P and tiles.used_G.sum() == len(routed)
+        return
     used = tiles.used_G.sum()
     assert tiles.used_G[:used].all() and not tiles.used_G[used:].any()  # the used tiles first
-    counts = np.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts]
+    counts = np.bincount(flat, minlength=num_experts + 1)[:num_experts]
     assert used == (-(-counts // block_m)).sum()  # no more tiles than each expert's rows need
 
 

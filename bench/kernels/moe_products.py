@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from bench import harness
 from bench.shapes import MODELS
@@ -49,6 +50,7 @@ def main(argv=None):
     parser.add_argument("--rows", default="1,4,16,32,64,256")
     parser.add_argument("--copies", type=int, default=6, help="distinct layers' experts chained")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--variants", default=None, help="comma list of the variants to time (default: all)")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
     cfg = parse_config(MODELS["small-moe" if args.small else args.model].target)
@@ -101,6 +103,8 @@ def main(argv=None):
         "each_pair": each_pair,
         "dense": dense,
     }
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants.split(",") if name in variants}
     rng = np.random.default_rng(0)
     results = []
     for M in [int(r) for r in args.rows.split(",")]:
@@ -148,6 +152,10 @@ def tokamax_variants(sorted_pairs_product, experts) -> dict:
         return {}
     if jax.default_backend() != "gpu":
         return {}
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, which would parse this script's arguments
+        flags.FLAGS(sys.argv[:1])
     return {f"tokamax-{impl}": lambda x, params, weights, ids, impl=impl: sorted_pairs_product(
         x, params, weights, ids, experts, ragged_dot=functools.partial(tokamax.ragged_dot, implementation=impl))
         for impl in ("mosaic", "triton")}
