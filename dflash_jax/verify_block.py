@@ -7,8 +7,9 @@ token routes to. With `top_k` of E experts chosen per token, n tokens touch on a
 E (1 - (1 - top_k / E)^n) of them (routing taken as uniform; real routers concentrate, which
 only makes larger blocks cheaper). So a verify block of 16 tokens reads far more of a MoE
 layer than one decode token does, while on a dense target it reads what a step reads. The
-pass's time is the larger of its bytes over the memory bandwidth and its products over the
-peak rate (`Roofline`, an H200's by default; only their ratio matters).
+pass's time (`Roofline`) is a fixed cost per sparse layer (the routing and the small
+operations around the experts' products) plus its bytes over the memory bandwidth plus its
+products over their rate, fitted to this library's MoE steps on an H200 (bench/NOTES.md).
 
 Return. With a per-position acceptance rate a, a block of b tokens (b - 1 drafts) yields
 1 + a + ... + a^(b - 1) tokens per cycle. `DEFAULT_ACCEPTANCE` is what the published
@@ -31,10 +32,13 @@ DEFAULT_ACCEPTANCE = 0.86  # per position: 6.5 tokens per block-16 cycle
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
-    """A GPU's memory bandwidth (bytes/s) and product rate (flop/s): an H200's in bf16."""
+    """What a target pass costs on a GPU: `sparse_layer_seconds` per layer of routed experts
+    whatever the tokens, bytes at `bandwidth` (bytes/s), products at `flops` (flop/s); an
+    H200's in bf16."""
 
+    sparse_layer_seconds: float = 1.3e-4
     bandwidth: float = 4.0e12
-    flops: float = 7.9e14
+    flops: float = 4.6e14
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
@@ -49,19 +53,21 @@ def pass_cost(cfg: TargetConfig, tokens: int, itemsize: int = 2, roofline: Roofl
     attention = D * H * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     dense_mlp = 3 * D * cfg.intermediate_size
     head = cfg.vocab_size * D
-    weights, active = head, head  # parameters read, and used per token
+    weights, active, sparse = head, head, 0  # parameters read, used per token; sparse layers
     for layer in range(cfg.num_layers):
         experts = cfg.layer_experts(layer)
         weights, active = weights + attention, active + attention
         if experts is None:
             weights, active = weights + dense_mlp, active + dense_mlp
             continue
+        sparse += 1
         per_expert = 3 * D * experts.intermediate_size
         router = D * experts.num_experts
         weights += router + per_expert * experts_touched(experts.num_experts, experts.top_k, tokens)
         active += router + per_expert * experts.top_k
     nbytes, flops = weights * itemsize, 2 * active * tokens
-    return dict(bytes=nbytes, flops=flops, seconds=max(nbytes / roofline.bandwidth, flops / roofline.flops))
+    seconds = sparse * roofline.sparse_layer_seconds + nbytes / roofline.bandwidth + flops / roofline.flops
+    return dict(bytes=nbytes, flops=flops, seconds=seconds)
 
 
 def tokens_per_cycle(block_size: int, acceptance: float = DEFAULT_ACCEPTANCE) -> float:
@@ -87,9 +93,11 @@ def candidate_block_sizes(trained: int) -> list[int]:
     return sizes + [trained]
 
 
-def default_block_size(cfg: TargetConfig, trained: int, batch: int, acceptance: float = DEFAULT_ACCEPTANCE) -> int:
+def default_block_size(cfg: TargetConfig, trained: int, batch: int, acceptance: float = DEFAULT_ACCEPTANCE,
+                       roofline: Roofline = Roofline()) -> int:
     """The verify block a run of `batch` requests takes when none is given: the trained block
     on a dense target; on a MoE target, the candidate with the best projected speedup."""
     if cfg.experts is None:
         return trained
-    return max(candidate_block_sizes(trained), key=lambda b: projected_speedup(cfg, b, batch, acceptance))
+    return max(candidate_block_sizes(trained),
+               key=lambda b: projected_speedup(cfg, b, batch, acceptance, roofline=roofline))

@@ -1,8 +1,9 @@
 """The verify block chosen by cost (dflash_jax/verify_block.py): the expected experts a step
-touches, the tokens a cycle returns, and the default block: smaller than the trained one for a
-Qwen3-30B-A3B-shaped target at batch 1 (a block of 16 touches ~10x the experts of one token),
-the trained one at batch 32 and on dense targets; `generate`, the Engine and `--block-size`
-use it, and an explicit block size overrides it."""
+touches, the tokens a cycle returns, and the default block: on a Qwen3-30B-A3B-shaped target
+at batch 1 (a block of 16 touches ~10x the experts of one token) smaller than the trained one
+where acceptance is low or the fixed costs small, the trained one at batch 32, with a drafter
+that accepts nearly everything and on dense targets; `generate` and the Engine use it, and an
+explicit block size overrides it."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from bench.shapes import MODELS, SMALL_DRAFTER, SMALL_MOE
 from dflash_jax.config import parse_config
 from dflash_jax.requests import resolve_block_size
 from dflash_jax.verify_block import (
-    DEFAULT_ACCEPTANCE, candidate_block_sizes, default_block_size, experts_touched, pass_cost, projected_speedup, tokens_per_cycle,
+    DEFAULT_ACCEPTANCE, Roofline, candidate_block_sizes, default_block_size, experts_touched, pass_cost, projected_speedup, tokens_per_cycle,
 )
 
 QWEN3_30B_A3B = parse_config(MODELS["qwen3-30b-a3b"].target)
@@ -42,15 +43,16 @@ def test_a_moe_pass_reads_more_experts_as_tokens_grow_a_dense_one_does_not():
     assert pass_cost(QWEN3_8B, 512)["seconds"] > pass_cost(QWEN3_8B, 16)["seconds"]  # compute-bound at last
 
 
-def test_default_block_follows_cost_and_batch():
+def test_default_block_follows_cost_acceptance_and_batch():
     assert candidate_block_sizes(16) == [4, 8, 16] and candidate_block_sizes(6) == [4, 6]
-    at_one = default_block_size(QWEN3_30B_A3B, 16, batch=1)
-    assert at_one < 16
-    assert projected_speedup(QWEN3_30B_A3B, at_one, 1) > projected_speedup(QWEN3_30B_A3B, 16, 1)
+    low = default_block_size(QWEN3_30B_A3B, 16, batch=1, acceptance=0.73)
+    assert low < 16
+    assert projected_speedup(QWEN3_30B_A3B, low, 1, 0.73) > projected_speedup(QWEN3_30B_A3B, 16, 1, 0.73)
+    # bandwidth alone (no fixed cost per sparse layer): the experts a block touches dominate
+    assert default_block_size(QWEN3_30B_A3B, 16, batch=1, roofline=Roofline(sparse_layer_seconds=0)) < 16
     assert default_block_size(QWEN3_30B_A3B, 16, batch=32) == 16
-    assert default_block_size(QWEN3_8B, 16, batch=1) == 16
-    # a drafter that accepts nearly everything makes long blocks worth their experts
     assert default_block_size(QWEN3_30B_A3B, 16, batch=1, acceptance=0.99) == 16
+    assert default_block_size(QWEN3_8B, 16, batch=1, acceptance=0.5) == 16  # dense: the trained block
 
 
 def test_resolve_block_size_defaults_by_cost_and_keeps_an_explicit_one():
@@ -61,18 +63,22 @@ def test_resolve_block_size_defaults_by_cost_and_keeps_an_explicit_one():
     assert resolve_block_size(drafter, 16, QWEN3_30B_A3B, batch=1) == 16
 
 
-def test_the_engine_and_generate_take_the_cost_models_block():
-    """A small target whose experts outweigh the rest (64 of them, top 2): at batch 2 a block
-    of 16 would touch ~40 experts a layer where a decode step touches 4."""
-    target = random_model(dict(SMALL_MOE, num_experts=64, num_experts_per_tok=2, moe_intermediate_size=256), 0,
-                          "float32")
+def test_the_engine_and_generate_take_the_cost_models_block(monkeypatch):
+    """The wiring: a MoE target's Engine and `generate` take `default_block_size`'s block (here
+    made 4) for their batch unless one is given."""
+    target = random_model(SMALL_MOE, 0, "float32")
     drafter = random_model(SMALL_DRAFTER, 1, "float32")
-    chosen = default_block_size(target.cfg, drafter.cfg.trained_block_size, batch=2)
-    assert chosen < drafter.cfg.trained_block_size
-    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64)
-    assert engine.num_drafts + 1 == chosen
+    batches = []
+
+    def chosen(cfg, trained, batch, **_):
+        batches.append(batch)
+        return 4
+
+    monkeypatch.setattr(dflash_jax.requests, "default_block_size", chosen)
+    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64).num_drafts == 3
     assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64, block_size=2).num_drafts == 1
-    prompts = [[5, 6, 7], [8, 9]]
+    prompts = [[5, 6, 7], [8, 9], [10]]
     out = dflash_jax.generate(target, drafter, prompts, max_new_tokens=6)
-    assert all(n <= chosen for lengths in out.accepted_lengths for n in lengths)
+    assert batches == [2, 3]
+    assert all(n <= 4 for lengths in out.accepted_lengths for n in lengths)
     assert out.token_ids == dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=6).token_ids
