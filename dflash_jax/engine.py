@@ -34,7 +34,7 @@ from dflash_jax.buckets import Program, holds, program_for, programs
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState
 from dflash_jax.flat_models import flatten_models
-from dflash_jax.kernels import Kernels
+from dflash_jax.kernels import Kernels, check_kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
@@ -118,12 +118,12 @@ class Engine:
         target, drafter = on_one_mesh((target, drafter), mesh)
         self.cycles_per_step = (default_cycles_per_step(target.mesh) if cycles_per_step is None
                                 else check_count("cycles_per_step", cycles_per_step))
-        if not isinstance(kernels, Kernels):
-            raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
+        check_kernels(kernels)
         max_num_reqs = check_count("max_num_reqs", max_num_reqs)
         if drafter is not None:
             check_drafter_fits_target(target.cfg, drafter.cfg)
-            block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=max_num_reqs)
+            block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=max_num_reqs,
+                                            kernels=kernels.resolve(target.mesh))
             draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
         elif block_size is not None or draft_block_size is not None:
             raise ValueError("block_size and draft_block_size need a drafter; pass one, or drop them for plain decoding.")

@@ -30,7 +30,7 @@ from dflash_jax.config import ExpertsConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import dot_general, linear
 from dflash_jax.sharding import MODEL, tensor_parallel_size
-from pallas_kernels.grouped_matmul import expert_tiles, tile_rows
+from pallas_kernels.grouped_matmul import expert_tiles, grouped_tiling, tile_rows
 
 
 def route(router_logits, experts: ExpertsConfig, dtype):
@@ -78,7 +78,7 @@ def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsCon
 def _token_wise(experts: ExpertsConfig, grouped_matmul):
     @jax.custom_batching.custom_vmap
     def product(x_TD, params, weights, expert_ids):
-        if grouped_matmul is None:
+        if grouped_matmul is None or not _tiles_fit(params, expert_ids.shape[1]):
             return sorted_pairs_product(x_TD, params, weights, expert_ids, experts)
         return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul)
 
@@ -94,13 +94,21 @@ def _token_wise(experts: ExpertsConfig, grouped_matmul):
     return product
 
 
+def _tiles_fit(params: dict, top_k: int) -> bool:
+    """Whether the grouped kernel takes both of the experts' matrices: a tile divides each,
+    and their flattened rows stay within int32 offsets (else the sorted pairs' product)."""
+    return all(grouped_tiling(*params[name].shape[1:], top_k) is not None and params[name].size < 2**31
+               for name in ("gate_up", "down"))
+
+
 def _weighted_sum(out_PD, weights, position_P, T: int, top_k: int, dtype):
     """Each token's pairs' outputs (row position_P[p] of out_PD for pair p = t * top_k + k;
-    a position past the rows reads zeros) weighted and summed in float32 in k order: a
-    token's sum never depends on the pairs beside it."""
-    rows = jnp.concatenate([out_PD, jnp.zeros((1, out_PD.shape[-1]), out_PD.dtype)])[position_P]
+    a position past the rows reads zeros), weighted in their dtype (as transformers does) and
+    summed in float32 in k order: a token's sum never depends on the pairs beside it."""
+    width = out_PD.shape[-1]
+    rows = jnp.concatenate([out_PD, jnp.zeros((1, width), out_PD.dtype)])[position_P]
     rows = (rows * weights.reshape(-1)[:, None]).astype(jnp.float32)
-    return rows.reshape(T, top_k, -1).sum(axis=1).astype(dtype)
+    return rows.reshape(T, top_k, width).sum(axis=1).astype(dtype)
 
 
 def sorted_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig,
@@ -173,8 +181,10 @@ class RoutedExperts(nnx.Module):
         weights, expert_ids = route(router_logits, self.experts, x_TD.dtype)
         names = ("gate_up", "down", "gate_up_bias", "down_bias") if self.experts.bias else ("gate_up", "down")
         params = {name: getattr(self, name)[...] for name in names}
-        if self.mesh is None or self.experts.num_experts % tensor_parallel_size(self.mesh):
+        if self.mesh is None:
             return experts_product(x_TD, params, weights, expert_ids, self.experts, kernels.grouped_matmul)
+        if self.experts.num_experts % tensor_parallel_size(self.mesh):  # XLA partitions the reference, not a kernel
+            return experts_product(x_TD, params, weights, expert_ids, self.experts)
 
         def local(x_TD, params, weights, expert_ids):  # this shard's experts; the others' pairs dropped
             held = params["gate_up"].shape[0]

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleBatch, CycleConfig, DecodeState, SamplingRows, speculative_cycle, verify_batch
 from dflash_jax.flat_models import flatten_models, unflatten_models
-from dflash_jax.kernels import Kernels
+from dflash_jax.kernels import Kernels, check_kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, slots_of
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
@@ -79,8 +79,9 @@ def generate(
 
     Sampling: the keywords, or `sampling_params` (a `SamplingParams`, then without them).
     block_size: the verified block, the last token plus block_size - 1 drafts (default: the
-    drafter's trained block; on a mixture-of-experts target, the block whose cycle cost and
-    expected acceptance project the most tokens per second, `verify_block`). draft_block_size: the block the drafter fills in its forward
+    drafter's trained block; on a mixture-of-experts target with the Pallas experts' product,
+    the block whose cycle cost and expected acceptance project the most tokens per second,
+    `verify_block`). draft_block_size: the block the drafter fills in its forward
     (default: the trained block), of which the first block_size - 1 drafts are verified;
     drafting the trained block keeps the drafter in its training regime, and
     draft_block_size=block_size drafts only the verified block, as vLLM and z-lab do.
@@ -99,7 +100,8 @@ def generate(
     target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
     check_draft_sampling(draft_sampling)
-    block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=len(prompts))
+    block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=len(prompts),
+                                    kernels=check_kernels(kernels).resolve(target.mesh))
     draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)
     params = _sampling(sampling_params, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
     return _run(target, drafter, prompts, params, block_size - 1, draft_block_size, page_size, kernels, draft_sampling,
@@ -158,8 +160,7 @@ def _run(target, drafter, prompts, params: dict, num_drafts, draft_block_size, p
     start = time.perf_counter()  # elapsed_s: the whole call, as its caller waits for it
     page_size = check_count("page_size", page_size)
     params["stop_token_ids"] = tuple(check_stop_token_ids(params["stop_token_ids"], target.cfg.vocab_size))
-    if not isinstance(kernels, Kernels):
-        raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
+    check_kernels(kernels)
     if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token id lists.")
     prompts = [check_prompt(p, target.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]

@@ -2,14 +2,14 @@
 
 `Kernels` names the implementation of the six kernels a step runs: paged attention, the
 DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
-write), the 8-bit weights' product and the routed experts' product. "auto" has one meaning for all six: the Pallas kernel
-on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
-mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
-could not). `resolve()` replaces "auto" by what it means on this backend; the resolved value
-travels in each program's
-static configuration, so it is part of the jit cache key and a different choice compiles a
-different program. Nothing here reads the environment: a caller that wants environment
-defaults (the CLI) reads them itself.
+write), the 8-bit weights' product and the routed experts' product. "auto" has one meaning
+for all six: the Pallas kernel on a GPU, the jnp reference elsewhere (where Pallas could only
+run in its slow interpret mode); the 8-bit product on a mesh is the reference (XLA partitions
+it; a Pallas call it could not), while the experts' kernel runs per device inside the expert
+split. `resolve()` replaces "auto" by what it means on this backend; the resolved value
+travels in each program's static configuration, so it is part of the jit cache key and a
+different choice compiles a different program. Nothing here reads the environment: a caller
+that wants environment defaults (the CLI) reads them itself.
 
     kernels = Kernels(attention="pallas").resolve()   # the others "auto"
     add_norm = kernels.add_rms_norm                   # a function, for the models' layers
@@ -131,6 +131,13 @@ class Kernels:
 
 
 REFERENCE = Kernels(**{name: "reference" for name in CHOICES})
+
+
+def check_kernels(kernels) -> Kernels:
+    """`kernels` if it is a `Kernels`, else a TypeError that says so."""
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"kernels must be a dflash_jax.Kernels, got {type(kernels).__name__}.")
+    return kernels
 
 
 def add_kernels_argument(parser) -> None:

@@ -146,13 +146,15 @@ def _check_int_array(name: str, value, hint: str) -> np.ndarray:
 
 
 def resolve_block_size(drafter: DrafterConfig, block_size: int | None, target: TargetConfig | None = None,
-                       batch: int = 1) -> int:
+                       batch: int = 1, kernels=None) -> int:
     """The block size to draft with: anything in [2, B] (B the trained block); by default B, or
-    for a mixture-of-experts `target` the block its cycle cost favours at `batch` requests
-    (`verify_block.default_block_size`)."""
+    for a mixture-of-experts `target` whose experts' product reads only the routed experts
+    (`kernels`, resolved: experts "pallas") the block its cycle cost favours at `batch`
+    requests (`verify_block.default_block_size`)."""
     trained = drafter.trained_block_size
     if block_size is None:
-        return trained if target is None else default_block_size(target, trained, batch)
+        routed_only = target is not None and kernels is not None and kernels.experts == "pallas"
+        return default_block_size(target, trained, batch) if routed_only else trained
     if not is_int(block_size):
         raise ValueError(f"block_size must be an integer in [2, {trained}], got {block_size!r}.")
     if not 2 <= block_size <= trained:

@@ -8,9 +8,11 @@ pairs out so); each program multiplies one tile by `block_n` columns of its expe
 and a tile no pair fills does no work. The experts' matrices are read once per tile, so a
 step reads the experts it routes to and no others.
 
-The tiling (`default_tiling`) depends on the matrix's shape and the model's top k, never on
-the number of rows, and each tile row is computed alone: a row's result is the same whatever
-rows share its call, so a verify block computes what single steps compute.
+The tiling (`grouped_tiling`) depends on the matrix's shape and the model's top k, never on
+the number of rows; the rows per tile and the layout do (`tile_rows`, `pairs_tile_alone`),
+but each tile row's products are its own, over the same steps in the same order, so a row's
+result is the same whatever rows share its call and a verify block computes what single
+steps compute (tested in interpret mode across both layouts and tile heights).
 """
 
 from __future__ import annotations

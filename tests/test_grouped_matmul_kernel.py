@@ -89,24 +89,45 @@ GPT_OSS = ExpertsConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_
                         softmax_after_top_k=True, bias=True, interleaved=True, swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
-@pytest.mark.parametrize("experts", [QWEN, GPT_OSS], ids=["qwen3-moe", "gpt-oss"])
-def test_experts_product_through_the_kernel_equals_ragged_dot(experts):
+ONE_OF_SIX = ExpertsConfig(num_experts=6, top_k=1, intermediate_size=32, norm_topk_prob=False, layers=(0,))
+
+
+@pytest.mark.parametrize("experts,tokens", [(QWEN, 11), (QWEN, 70), (GPT_OSS, 11), (ONE_OF_SIX, 40)],
+                         ids=["qwen3-moe", "qwen3-moe-tall-tiles", "gpt-oss", "top-1-of-6"])
+def test_experts_product_through_the_kernel_equals_ragged_dot(experts, tokens):
+    """At 70 tokens the tiles are 32 rows high (16 alone): a token's output stays its own."""
     E, D, inter = experts.num_experts, 64, experts.intermediate_size
     keys = jax.random.split(jax.random.key(1), 6)
-    params = {"gate_up": jax.random.normal(keys[0], (E, D, 2 * inter)), "down": jax.random.normal(keys[1], (E, inter, D))}
+    params = {"gate_up": jax.random.normal(keys[0], (E, D, 2 * inter)),
+              "down": jax.random.normal(keys[1], (E, inter, D))}
     if experts.bias:
         params.update(gate_up_bias=jax.random.normal(keys[2], (E, 2 * inter)),
                       down_bias=jax.random.normal(keys[3], (E, D)))
-    T = 11
-    x = jax.random.normal(keys[4], (T, D))
-    ids = jnp.asarray(routed_ids(T, E, experts.top_k, seed=2)).at[3, 1].set(E)  # one pair on another shard
-    weights = jax.nn.softmax(jax.random.normal(keys[5], (T, experts.top_k)))
+    x = jax.random.normal(keys[4], (tokens, D))
+    ids = jnp.asarray(routed_ids(tokens, E, experts.top_k, seed=2)).at[3, 0].set(E)  # one pair on another shard
+    weights = jax.nn.softmax(jax.random.normal(keys[5], (tokens, experts.top_k)))
     kernel = Kernels(experts="pallas").grouped_matmul
     assert Kernels(experts="reference").grouped_matmul is None
     with jax.default_matmul_precision("highest"):
         want = experts_product(x, params, weights, ids, experts)
     got = experts_product(x, params, weights, ids, experts, kernel)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
-    alone = jnp.concatenate([experts_product(x[t:t + 1], params, weights[t:t + 1], ids[t:t + 1], experts, kernel)
-                             for t in range(T)])
-    assert (np.asarray(alone) == np.asarray(got)).all()  # a token's output is its own, bit for bit
+    for t in range(min(tokens, 12)):
+        alone = experts_product(x[t:t + 1], params, weights[t:t + 1], ids[t:t + 1], experts, kernel)
+        assert (np.asarray(alone[0]) == np.asarray(got[t])).all()  # a token's output is its own, bit for bit
+
+
+def test_matrices_no_tile_fits_take_the_sorted_pairs():
+    """A width with no power-of-two divisor of 16 or more: the kernel is not called."""
+    E, D, inter = 4, 40, 24
+    keys = jax.random.split(jax.random.key(2), 3)
+    params = {"gate_up": jax.random.normal(keys[0], (E, D, 2 * inter)),
+              "down": jax.random.normal(keys[1], (E, inter, D))}
+    x, ids, weights = jax.random.normal(keys[2], (5, D)), jnp.asarray(routed_ids(5, E, 2, seed=3)), jnp.ones((5, 2)) / 2
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("the kernel was called for matrices no tile fits")
+
+    experts = ExpertsConfig(num_experts=E, top_k=2, intermediate_size=inter, norm_topk_prob=True, layers=(0,))
+    np.testing.assert_array_equal(np.asarray(experts_product(x, params, weights, ids, experts, refuses)),
+                                  np.asarray(experts_product(x, params, weights, ids, experts)))

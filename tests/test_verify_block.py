@@ -14,7 +14,8 @@ from bench.shapes import MODELS, SMALL_DRAFTER, SMALL_MOE
 from dflash_jax.config import parse_config
 from dflash_jax.requests import resolve_block_size
 from dflash_jax.verify_block import (
-    DEFAULT_ACCEPTANCE, Roofline, candidate_block_sizes, default_block_size, experts_touched, pass_cost, projected_speedup, tokens_per_cycle,
+    DEFAULT_ACCEPTANCE, Roofline, candidate_block_sizes, default_block_size, experts_touched, pass_cost,
+    projected_speedup, tokens_per_cycle,
 )
 
 QWEN3_30B_A3B = parse_config(MODELS["qwen3-30b-a3b"].target)
@@ -57,28 +58,36 @@ def test_default_block_follows_cost_acceptance_and_batch():
 
 def test_resolve_block_size_defaults_by_cost_and_keeps_an_explicit_one():
     drafter = parse_config(MODELS["qwen3-30b-a3b"].drafter)
-    assert resolve_block_size(drafter, None) == drafter.trained_block_size
-    assert resolve_block_size(drafter, None, QWEN3_30B_A3B, batch=1) == default_block_size(
-        QWEN3_30B_A3B, drafter.trained_block_size, 1)
-    assert resolve_block_size(drafter, 16, QWEN3_30B_A3B, batch=1) == 16
+    trained, pallas = drafter.trained_block_size, dflash_jax.Kernels(experts="pallas")
+    assert resolve_block_size(drafter, None) == trained
+    assert resolve_block_size(drafter, None, QWEN3_30B_A3B, batch=1, kernels=pallas) == default_block_size(
+        QWEN3_30B_A3B, trained, 1)
+    # ragged_dot reads every expert whatever the block: the trained block
+    reference = dflash_jax.Kernels(experts="reference")
+    assert resolve_block_size(drafter, None, QWEN3_30B_A3B, batch=1, kernels=reference) == trained
+    assert resolve_block_size(drafter, 16, QWEN3_30B_A3B, batch=1, kernels=pallas) == 16
 
 
 def test_the_engine_and_generate_take_the_cost_models_block(monkeypatch):
-    """The wiring: a MoE target's Engine and `generate` take `default_block_size`'s block (here
-    made 4) for their batch unless one is given."""
+    """The wiring: with the Pallas experts' product (interpret mode here), a MoE target's
+    Engine and `generate` take `default_block_size`'s block (here made 4) for their batch
+    unless one is given; with the reference product, the trained block."""
     target = random_model(SMALL_MOE, 0, "float32")
     drafter = random_model(SMALL_DRAFTER, 1, "float32")
-    batches = []
+    batches, pallas = [], dflash_jax.Kernels(experts="pallas")
 
     def chosen(cfg, trained, batch, **_):
         batches.append(batch)
         return 4
 
     monkeypatch.setattr(dflash_jax.requests, "default_block_size", chosen)
-    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64).num_drafts == 3
-    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64, block_size=2).num_drafts == 1
+    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64, kernels=pallas).num_drafts == 3
+    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64, kernels=pallas,
+                             block_size=2).num_drafts == 1
+    assert dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=64).num_drafts + 1 == 16
     prompts = [[5, 6, 7], [8, 9], [10]]
-    out = dflash_jax.generate(target, drafter, prompts, max_new_tokens=6)
+    out = dflash_jax.generate(target, drafter, prompts, max_new_tokens=6, kernels=pallas)
     assert batches == [2, 3]
     assert all(n <= 4 for lengths in out.accepted_lengths for n in lengths)
-    assert out.token_ids == dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=6).token_ids
+    ar = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=6, kernels=pallas)
+    assert out.token_ids == ar.token_ids

@@ -104,7 +104,10 @@ def main(argv=None):
         "dense": dense,
     }
     if args.variants:
-        variants = {name: variants[name] for name in args.variants.split(",") if name in variants}
+        unknown = set(args.variants.split(",")) - set(variants)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; choose among {', '.join(variants)}")
+        variants = {name: variants[name] for name in args.variants.split(",")}
     rng = np.random.default_rng(0)
     results = []
     for M in [int(r) for r in args.rows.split(",")]:

@@ -227,7 +227,8 @@ def load_models(args) -> ServedModels:
     info = ModelInfo(
         name=args.served_model_name or (demo.TARGET_DIR_NAME if demo_pair else Path(target_path).stem),
         max_model_len=args.max_model_len or target.cfg.max_position_embeddings,
-        block_size=(resolve_block_size(drafter.cfg, block_size, target.cfg, batch=args.max_num_reqs)
+        block_size=(resolve_block_size(drafter.cfg, block_size, target.cfg, batch=args.max_num_reqs,
+                                       kernels=dflash_jax.Kernels().resolve(target.mesh))
                     if drafter is not None else 1),
     )
     return ServedModels(target, drafter, tokenizer, info)
