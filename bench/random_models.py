@@ -50,20 +50,15 @@ def param_bytes(model, skip_embedding: bool = False) -> int:
     return total
 
 
-def untouched_expert_bytes(model) -> int:
-    """The experts' bytes a one-token step does not read: all but `top_k` of each sparse
-    layer's experts (0 for a dense model)."""
+def expert_bytes(model) -> int:
+    """The bytes of the model's routed experts, all of them (0 for a dense model)."""
     from flax import nnx
 
     from dflash_jax.experts import RoutedExperts
 
-    total = 0
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, RoutedExperts):
-            stacked = sum(getattr(module, name)[...].nbytes for name in ("gate_up", "down", "gate_up_bias", "down_bias")
-                          if hasattr(module, name))
-            total += stacked * (1 - module.experts.top_k / module.experts.num_experts)
-    return int(total)
+    return sum(getattr(module, name)[...].nbytes for _, module in nnx.iter_graph(model)
+               if isinstance(module, RoutedExperts)
+               for name in ("gate_up", "down", "gate_up_bias", "down_bias") if hasattr(module, name))
 
 
 def kv_bytes_per_token(model, num_layers: int) -> int:
@@ -75,9 +70,21 @@ def kv_bytes_per_token(model, num_layers: int) -> int:
 class RandomPair:
     target: object
     drafter: object
-    target_stream_bytes: int  # what a one-token target step reads of the weights (MoE: top_k experts a layer)
+    target_weight_bytes: int  # the target's weights but its embedding table (a step gathers rows of it)
+    expert_bytes: int  # of which its routed experts' (0 for a dense target)
     drafter_bytes: int
     lm_head_bytes: int
+
+    def target_stream_bytes(self, tokens: int = 1) -> int:
+        """What a target pass over `tokens` tokens reads of the weights: all of them but the
+        experts no token routes to (as many as uniform routing leaves on average)."""
+        from dflash_jax.verify_block import experts_touched
+
+        experts = self.target.cfg.experts
+        if experts is None:
+            return self.target_weight_bytes
+        untouched = 1 - experts_touched(experts.num_experts, experts.top_k, tokens) / experts.num_experts
+        return int(self.target_weight_bytes - self.expert_bytes * untouched)
 
 
 def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, quantize: str | None = None,
@@ -100,5 +107,5 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
     drafter = shard_model(random_model(shapes.drafter, seed + 1, dtype), mesh)
     gc.collect()
     cfg = target.cfg
-    return RandomPair(target, drafter, param_bytes(target, skip_embedding=True) - untouched_expert_bytes(target),
+    return RandomPair(target, drafter, param_bytes(target, skip_embedding=True), expert_bytes(target),
                       param_bytes(drafter), cfg.vocab_size * cfg.hidden_size * target.dtype.itemsize)

@@ -74,3 +74,17 @@ def test_one_device_measures_refuse_tensor_parallel(tmp_path, capsys):
     with pytest.raises(SystemExit):
         speed.main(["--small", "--profile", "--tensor-parallel", "2", "--out", str(tmp_path / "x.json")])
     assert "--tensor-parallel" in capsys.readouterr().err
+
+
+def test_moe_stream_bytes_count_the_experts_the_tokens_touch():
+    """One token reads top_k of each sparse layer's experts; a block reads more; the memory a
+    point needs counts every expert."""
+    from bench.random_models import build_pair
+
+    pair = build_pair("small-moe", "float32")
+    experts = pair.target.cfg.experts
+    one = pair.target_stream_bytes(1)
+    assert one == pytest.approx(pair.target_weight_bytes - pair.expert_bytes * (1 - experts.top_k / experts.num_experts),
+                                abs=1)
+    assert one < pair.target_stream_bytes(4) < pair.target_stream_bytes(64) <= pair.target_weight_bytes
+    assert pair.expert_bytes > 0 and build_pair("small", "float32").expert_bytes == 0

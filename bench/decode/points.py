@@ -46,7 +46,7 @@ def memory_needed(pair: RandomPair, batch: int, context: int, capacity: int, blo
     num_drafts = block - 1
     slots = batch * pages_per_request(context, capacity, num_drafts) * PAGE_SIZE
     kv = slots * (kv_bytes_per_token(pair.target, t.num_layers) + kv_bytes_per_token(pair.drafter, d.num_layers))
-    weights = pair.target_stream_bytes + pair.lm_head_bytes + pair.drafter_bytes
+    weights = pair.target_weight_bytes + pair.lm_head_bytes + pair.drafter_bytes
     logits = 3 * batch * (num_drafts + 1) * t.vocab_size * 4
     prefill = next_pow2(batch * context) * (3 * t.intermediate_size + 4 * t.hidden_size) * pair.target.dtype.itemsize
     return (weights + kv + logits + prefill) / tensor_parallel_size(pair.target.mesh)

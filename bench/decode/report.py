@@ -25,7 +25,6 @@ def derived(result: dict, copy_Bps: float) -> dict:
                ar_bytes=result["ar_bytes"], cycle_bytes=result["cycle_bytes"], blocks={})
     if copy_Bps:
         out["ar_floor_s"] = result["ar_bytes"] / copy_Bps
-        out["cycle_floor_s"] = result["cycle_bytes"] / copy_Bps
     for name, seconds in (("ar", ar), ("ar_step", ar_step)):
         if seconds:
             out[f"{name}_GBps"] = result["ar_bytes"] / seconds / 1e9
@@ -37,6 +36,8 @@ def derived(result: dict, copy_Bps: float) -> dict:
         cycle = cycle_gen or cycle_parts
         row = out["blocks"][str(block)] = dict(
             cycle_s=cycle, cycle_source="generate" if cycle_gen else "steps" if cycle_parts else None)
+        if copy_Bps:
+            row["floor_s"] = result["cycle_bytes"][str(block)] / copy_Bps
         if ar and cycle:
             row["cycle_over_ar"] = cycle / ar
         if cycle and block == 16:  # the published acceptance lengths are for block 16
@@ -66,7 +67,7 @@ def report(record: dict) -> str:
         lines.append(f"Tensor parallel over {tp} of the {info['num_devices']} devices (one mesh); bytes and "
                      f"floors below are the whole model's, over {tp} x the first device's copy bandwidth.")
     lines.append(f"Device copy bandwidth (read + write): {fmt(copy and copy / 1e12, 3)} TB/s. "
-                 f"Weights streamed per target step: {run['target_stream_bytes'] / 1e9:.2f} GB "
+                 f"Weights streamed per one-token target step: {run['target_stream_bytes'] / 1e9:.2f} GB "
                  f"(drafter {run['drafter_bytes'] / 1e9:.2f} GB).")
     points = [p for p in run["points"] if "derived" in p]
     lines += ["", "## Autoregressive step (ms)", "",
@@ -91,8 +92,8 @@ def report(record: dict) -> str:
               "generate: `generate` cycle, n - m method; parts: each in a device loop (layout = "
               "`draft_layouts`, ctx K/V = `write_context_kv`, draft = `draft_block`, sample = "
               "`sample_drafts`, verify = `target_step` on B x block rows, accept = `rejection_sample`); "
-              "cycle / AR uses the generate numbers where present, else the parts; floor: weights (target, "
-              "drafter, LM head twice) + K/V over the copy bandwidth.", "",
+              "cycle / AR uses the generate numbers where present, else the parts; floor: weights (target "
+              "over B x block tokens, drafter, LM head twice) + K/V over the copy bandwidth.", "",
               "| B | ctx | attention | block | generate | cycle / AR | layout | ctx K/V | draft | sample | verify "
               "| accept | parts sum | floor | accepted/cycle (random weights) |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -106,7 +107,7 @@ def report(record: dict) -> str:
             lines.append(f"| {p['batch']} | {p['context']} | {p['attention_impl']} | {block} "
                          f"| {fmt(ms(gen.get('per_iter_s')))} | {fmt(d['blocks'][str(block)].get('cycle_over_ar'))} "
                          f"| {' | '.join(part)} | {fmt(ms(s.get('cycle_parts_s')))} "
-                         f"| {fmt(ms(d.get('cycle_floor_s')))} | {fmt(gen.get('mean_accepted'))} |")
+                         f"| {fmt(ms(d['blocks'][str(block)].get('floor_s')))} | {fmt(gen.get('mean_accepted'))} |")
     lines += ["", "## Projected tokens/s, block 16 (PROJECTIONS, not measurements)", "",
               "tau / measured cycle time at the published Qwen3-8B-DFlash-b16 acceptance lengths "
               "(GSM8K 6.55, Alpaca 3.16); random weights accept almost nothing, and the cycle's cost "

@@ -56,11 +56,13 @@ engine    The Engine without a drafter: B requests, prefill, then the median wal
 
 Also: `copy`, the device copy bandwidth (the faster of x + 1 and jnp.copy over a large bf16
 array; read + write counted, as ENVIRONMENT.md's copy rate); `bandwidth`, AR step bytes
-(target weights streamed: every parameter but the embedding table, plus the K/V read, B x C x
-layers x 2 x kv heads x head_dim x 2 bytes) over the AR step time, and its share of the copy
-bandwidth; the `floor` of a step, those bytes over the copy bandwidth (for the cycle: target,
-drafter and the LM head a second time for the draft logits, plus both K/V reads); --profile:
-device events, busy time and host syncs per loop iteration from two jax.profiler traces.
+(target weights streamed: every parameter but the embedding table, of a MoE target's experts
+those the step's B tokens touch under uniform routing, plus the K/V read, B x C x layers x 2 x
+kv heads x head_dim x 2 bytes) over the AR step time, and its share of the copy bandwidth;
+the `floor` of a step, those bytes over the copy bandwidth (for the cycle, per block: the
+target over B x block tokens, drafter and the LM head a second time for the draft logits, plus
+both K/V reads); --profile: device events, busy time and host syncs per loop iteration from
+two jax.profiler traces.
 
 --torch-anchors (batch 1): the same weights, written with convert.export_hf, in a torch
 subprocess (torch and jax CUDA libraries never share a process): transformers' static-cache
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
     pair = build_pair(model, opts.dtype, mesh=mesh, quantize=opts.quantize, quantize_block=opts.quantize_block or None)
     note(f"models built on the device{f' and placed on {tp} devices' if mesh else ''} in "
          f"{time.perf_counter() - t0:.1f} s")
-    run.update(target_stream_bytes=pair.target_stream_bytes, drafter_bytes=pair.drafter_bytes,
+    run.update(target_stream_bytes=pair.target_stream_bytes(), drafter_bytes=pair.drafter_bytes,
                lm_head_bytes=pair.lm_head_bytes, target_config=MODELS[model].target,
                drafter_config=MODELS[model].drafter)
     copy_bytes = int((opts.copy_gb or (0.0625 if small else 4.0)) * 2**30)
@@ -318,9 +320,10 @@ def main(argv=None) -> int:
         kv_drafter = batch * mean_ctx * kv_bytes_per_token(pair.drafter, dcfg.num_layers)
         for impl in impls:
             result = dict(batch=batch, context=context, attention_impl=impl, block_sizes=opts.block_sizes,
-                          memory_estimate_bytes=need, ar_bytes=pair.target_stream_bytes + kv_target,
-                          cycle_bytes=(pair.target_stream_bytes + pair.drafter_bytes + pair.lm_head_bytes
-                                       + kv_target + kv_drafter))
+                          memory_estimate_bytes=need, ar_bytes=pair.target_stream_bytes(batch) + kv_target,
+                          cycle_bytes={str(block): (pair.target_stream_bytes(batch * block) + pair.drafter_bytes
+                                                    + pair.lm_head_bytes + kv_target + kv_drafter)
+                                       for block in opts.block_sizes})
             result["derived"] = derived(result, run["copy_Bps"] * tp)
             run["points"].append(result)
             work.append((result, prompts))
