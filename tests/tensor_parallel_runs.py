@@ -234,7 +234,7 @@ def moe() -> dict:
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
-    from dflash_jax.config import to_hf_config
+    from dflash_jax.formats.hf_config import to_hf_config
 
     target, drafter = models(target_config("Qwen3ForCausalLM", kv_heads=2, tied=False), 1)
     for name, model in (("target", target), ("drafter", drafter)):

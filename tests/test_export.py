@@ -7,8 +7,9 @@ from flax import nnx
 
 import dflash_jax
 from conftest import randomize, rel_err
-from dflash_jax.config import parse_config, to_hf_config
+from dflash_jax.config import parse_config
 from dflash_jax.formats.export_hf import export_hf
+from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.models import Drafter, Target
 from test_drafter_parity import reference_draft_logits
 

@@ -220,7 +220,8 @@ ROPE_SCALING = {
 
 @pytest.mark.parametrize("case", list(ROPE_SCALING))
 def test_rope_scaling_from_metadata_survives_config_json(case):
-    from dflash_jax.config import parse_config, to_hf_config
+    from dflash_jax.config import parse_config
+    from dflash_jax.formats.hf_config import to_hf_config
     from dflash_jax.formats.gguf_reader import target_config_from_gguf
 
     extra, rope_type, scaling = ROPE_SCALING[case]

@@ -12,8 +12,8 @@ import pytest
 import dflash_jax
 from dflash_jax import cli
 from dflash_jax.checkpoint import save_checkpoint
-from dflash_jax.config import to_hf_config
 from dflash_jax.formats.export_hf import export_hf
+from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.train.data import DrafterDataset
 from dflash_jax.tokenizer import ChatTokenizer

@@ -12,7 +12,8 @@ from pathlib import Path
 from flax import nnx
 from safetensors.flax import save_file
 
-from dflash_jax.config import DrafterConfig, to_hf_config
+from dflash_jax.config import DrafterConfig
+from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.models import Drafter, Target
 from dflash_jax.staging import StagedOutput, terminate_raises

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.config import ExpertsConfig, RopeConfig, TargetConfig, to_hf_config
+from dflash_jax.config import ExpertsConfig, RopeConfig, TargetConfig
+from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.hf_reader import ConversionError, TensorSource
 from dflash_jax.formats.weight_map import WeightRule, target_rules
 from dflash_jax.layers import rope_frequencies

@@ -182,7 +182,8 @@ def run_train(args: argparse.Namespace) -> None:
     from dflash_jax.formats.export_hf import export_hf
     from dflash_jax.loading import load_drafter, load_target
     from dflash_jax.cli_errors import quiet_checkpoint_reads
-    from dflash_jax.config import parse_drafter_config, to_hf_config
+    from dflash_jax.config import parse_drafter_config
+    from dflash_jax.formats.hf_config import to_hf_config
     from dflash_jax.models import Drafter
     from dflash_jax.checkpoint import check_checkpoint_folder
     from dflash_jax.train.data import DrafterDataset
