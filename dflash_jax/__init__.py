@@ -1,7 +1,7 @@
 """dflash-jax: DFlash block speculative decoding in JAX, Flax NNX and Pallas."""
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
-from dflash_jax.dense import draft_logits, target_forward
+from dflash_jax.dense import draft_logits, draft_path, target_forward
 from dflash_jax.engine import Engine
 from dflash_jax.generate import GenerateResult, generate, generate_autoregressive
 from dflash_jax.kernels import Kernels
@@ -23,6 +23,7 @@ __all__ = [
     "Target",
     "TargetConfig",
     "draft_logits",
+    "draft_path",
     "generate",
     "generate_autoregressive",
     "load_drafter",

@@ -18,7 +18,7 @@ from dflash_jax.quantization import QuantizationError, WeightQuantization, parse
 from pallas_kernels.attention_mask import CAUSAL, LayerAttention
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM")
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -95,6 +95,20 @@ class TargetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DFlash2Config:
+    """DFlash 2's additions to the drafter (z-lab's `dflash_config`): around every attention
+    and MLP sublayer a causal convolution over the block's positions, `conv_kernel_size`
+    taps, a base kernel per channel plus a kernel predicted from the hidden state per group of
+    `conv_group_size` channels; and a candidate selector that walks the block through each
+    position's `selector_top_k` best logits, scored with rank-`selector_rank` codebooks."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     vocab_size: int
     hidden_size: int
@@ -117,6 +131,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     quantization: WeightQuantization | None = None  # 8-bit fc and layer weights (`convert --quantize`)
+    dflash2: DFlash2Config | None = None  # DFlash 2's convolutions and candidate selector (None: DFlash-1)
 
     @property
     def kind(self) -> str:
@@ -150,7 +165,7 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 def parse_config(raw: dict[str, Any]) -> TargetConfig | DrafterConfig:
     """Target or drafter, chosen by `architectures`."""
     architecture = _architecture(raw)
-    if architecture in (*DRAFTER_ARCHITECTURES, "DFlash2DraftModel"):
+    if architecture in DRAFTER_ARCHITECTURES:
         return parse_drafter_config(raw)
     return parse_target_config(raw)
 
@@ -246,19 +261,16 @@ def _quantization(raw: dict[str, Any]) -> WeightQuantization | None:
 
 def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
     architecture = _architecture(raw)
-    if architecture == "DFlash2DraftModel":
-        raise ConfigError(
-            "DFlash2DraftModel (DFlash 2: convolutions and a candidate selector) is a different "
-            "model and is not supported; use a DFlash-1 DFlashDraftModel checkpoint."
-        )
     if architecture not in DRAFTER_ARCHITECTURES:
         raise ConfigError(
-            f"unsupported drafter architecture {architecture!r}; expected DFlashDraftModel."
+            f"unsupported drafter architecture {architecture!r}; expected one of {', '.join(DRAFTER_ARCHITECTURES)}."
         )
     quantization = _quantization(raw)
     if quantization is not None and quantization.hf_scale is not None:
         raise ConfigError("published quantized drafters are not supported; give the drafter's float checkpoint "
                           "(`convert --quantize` makes an 8-bit one).")
+    if quantization is not None and architecture == "DFlash2DraftModel":
+        raise ConfigError("8-bit DFlash 2 drafters are not supported yet; use the float checkpoint.")
     dflash = raw.get("dflash_config") or {}
 
     def field(name: str, default: Any = None) -> Any:
@@ -314,7 +326,24 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         output_multiplier=float(field("output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
         quantization=quantization,
+        dflash2=_dflash2(field, hidden, vocab_size) if architecture == "DFlash2DraftModel" else None,
     )
+
+
+def _dflash2(field, hidden: int, vocab_size: int) -> DFlash2Config:
+    """DFlash 2's four dflash_config fields, each a positive integer that fits the model."""
+    values = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = field(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"a DFlash2DraftModel needs dflash_config.{name}, a positive integer; got {value!r}.")
+        values[name] = value
+    if hidden % values["conv_group_size"]:
+        raise ConfigError(f"conv_group_size {values['conv_group_size']} does not divide the hidden size {hidden}; "
+                          "the convolution's dynamic kernels are shared by groups of that many channels.")
+    if values["selector_top_k"] > vocab_size:
+        raise ConfigError(f"selector_top_k {values['selector_top_k']} exceeds the vocabulary ({vocab_size} tokens).")
+    return DFlash2Config(**values)
 
 
 def _drafter_layer_attention(

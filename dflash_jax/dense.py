@@ -79,6 +79,26 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *,
     S..S+B-1, slot 0 the anchor and the rest normally the mask token. `mesh` as for
     `target_forward`.
     """
+    target, drafter, *inputs = _draft_inputs(target, drafter, features, block_token_ids, mesh)
+    return _draft_logits(target, drafter, *inputs, kernels.resolve(target.mesh))[1]
+
+
+def draft_path(target: Target, drafter: Drafter, features, block_token_ids, *, kernels: Kernels = Kernels(),
+               mesh: Mesh | None = None):
+    """A DFlash 2 drafter's greedy drafts for block slots 1..B-1 (`draft_logits`'s arguments):
+    (the drafts [B - 1], each slot's top-K candidates [B - 1, K], their logits [B - 1, V]),
+    the candidate selector walking the block from its anchor, slot 0."""
+    if drafter.cfg.dflash2 is None:
+        raise ValueError("draft_path needs a DFlash 2 drafter (a DFlash2DraftModel checkpoint); a DFlash-1 drafter's "
+                         "drafts are the argmax of draft_logits.")
+    target, drafter, *inputs = _draft_inputs(target, drafter, features, block_token_ids, mesh)
+    hidden, logits = _draft_logits(target, drafter, *inputs, kernels.resolve(target.mesh))
+    drafts, candidates = _greedy_path(drafter, hidden, logits, inputs[-1][0])
+    return drafts, candidates, logits
+
+
+def _draft_inputs(target, drafter, features, block_token_ids, mesh):
+    """(target, drafter, features padded to a bucket, their real rows, the block's ids), checked."""
     target, drafter = on_one_mesh((target, drafter), mesh)
     check_drafter_fits_target(target.cfg, drafter.cfg)
     block = _token_ids(block_token_ids, target.cfg.vocab_size, "block_token_ids")
@@ -92,7 +112,12 @@ def draft_logits(target: Target, drafter: Drafter, features, block_token_ids, *,
         )
     num_ctx = features.shape[0]
     features_LF = jnp.pad(features, ((0, _padded_length(num_ctx) - num_ctx), (0, 0)))
-    return _draft_logits(target, drafter, features_LF, jnp.int32(num_ctx), block, kernels.resolve(target.mesh))
+    return target, drafter, features_LF, jnp.int32(num_ctx), block
+
+
+@jax.jit
+def _greedy_path(drafter, hidden_PD, logits_PV, anchor):
+    return drafter.candidate_selector.greedy_path(hidden_PD, logits_PV, anchor)
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
@@ -113,4 +138,4 @@ def _draft_logits(target, drafter, features_LF, num_ctx, block_B, kernels):
         )
 
     hidden_BD = drafter(target.embed(block_B).astype(drafter.dtype), block_positions_B, finishing(attend), kernels)
-    return drafter.logits(target.unembed, hidden_BD[1:].astype(target.dtype))
+    return hidden_BD[1:], drafter.logits(target.unembed, hidden_BD[1:].astype(target.dtype))

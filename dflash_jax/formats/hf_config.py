@@ -1,9 +1,10 @@
 """The HF `config.json` a parsed config is written back as: what export and the GGUF reader
-write, and what `config.parse_config` reads back to the same config (z-lab DFlash-1 for
-drafters)."""
+write, and what `config.parse_config` reads back to the same config (z-lab's DFlash-1 or
+DFlash 2 layout for drafters)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_drafter_config
@@ -46,7 +47,8 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
                        decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe.layers])
     else:
-        raw = dict(architectures=["DFlashDraftModel"], model_type="qwen3", **common)
+        raw = dict(architectures=["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], model_type="qwen3",
+                   **common)
         raw["dflash_config"] = dict(
             mask_token_id=cfg.mask_token_id,
             target_layer_ids=list(cfg.target_layer_ids),
@@ -55,6 +57,7 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             input_embedding_scale=cfg.input_embedding_scale,
             output_multiplier=cfg.output_multiplier,
             final_logit_softcapping=cfg.final_logit_softcapping,
+            **(dataclasses.asdict(cfg.dflash2) if cfg.dflash2 else {}),
         )
         # z-lab's loader reads num_target_layers even when the ids are explicit.
         raw["num_target_layers"] = cfg.num_target_layers or max(cfg.target_layer_ids) + 1

@@ -27,7 +27,9 @@ from dflash_jax.config import DrafterConfig, TargetConfig, parse_config, read_co
 from dflash_jax.formats.gguf_reader import gguf_target_rules, is_gguf_file, open_gguf
 from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
 from dflash_jax.formats.hf_reader import ConversionError, open_checkpoint
-from dflash_jax.formats.weight_map import drafter_ignored, drafter_rules, get_path, set_path, target_ignored, target_rules
+from dflash_jax.formats.weight_map import (
+    drafter_ignored, drafter_plain_name, drafter_rules, get_path, set_path, target_ignored, target_rules,
+)
 from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape,
@@ -67,9 +69,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     shapes = dict(source.shapes)
     aliases = {}
     if isinstance(cfg, DrafterConfig):
-        # Drafter tensors may carry a `model.` prefix; map both spellings to the plain name.
-        aliases = {name.removeprefix("model."): name for name in shapes}
-        shapes = {name.removeprefix("model."): shape for name, shape in shapes.items()}
+        # Drafter tensors may be spelled otherwise (`drafter_plain_name`); map each to its plain name.
+        aliases = {drafter_plain_name(name): name for name in shapes}
+        shapes = {drafter_plain_name(name): shape for name, shape in shapes.items()}
         cfg, raw_config = _resolve_fc_width(cfg, raw_config, shapes)
         rules, ignored = drafter_rules(cfg), drafter_ignored
     else:
@@ -216,6 +218,8 @@ def _quantized(raw_config: dict, model, quantization: WeightQuantization):
         raise ConversionError("this checkpoint's weights are 8-bit already and stay so; convert it without --quantize.")
     if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
         raise ConversionError("8-bit mixture-of-experts targets are not supported yet; convert without --quantize.")
+    if isinstance(model.cfg, DrafterConfig) and model.cfg.dflash2 is not None:
+        raise ConversionError("8-bit DFlash 2 drafters are not supported yet; convert without --quantize.")
     return {**raw_config, "quantization_config": quantization.to_config()}, quantize_model(model, quantization)
 
 

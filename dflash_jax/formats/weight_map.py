@@ -136,12 +136,28 @@ def target_ignored(cfg: TargetConfig, name: str) -> bool:
 
 
 def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:
-    """z-lab DFlash-1 names (spec section 3), unprefixed; callers strip an optional `model.`."""
+    """z-lab DFlash-1 and DFlash 2 names (spec section 3), as `drafter_plain_name` spells them."""
     rules = _linear("fc", ("fc",), bias=False) + [_norm("hidden_norm", ("hidden_norm",))]
     for i in range(cfg.num_layers):
         rules += _decoder_layer(f"layers.{i}", ("layers", i), cfg, mlp_bias=False, qk_norm=True)
+        for conv in ("attention_conv", "mlp_conv") if cfg.dflash2 else ():
+            rules.append(WeightRule(f"layers.{i}.{conv}.base_kernel", ("layers", i, conv, "base_kernel"), False))
+            rules += _linear(f"layers.{i}.{conv}.kernel_projection", ("layers", i, conv, "kernel_projection"),
+                             bias=False)
     rules.append(_norm("norm", ("norm",)))
+    if cfg.dflash2:
+        selector = ("candidate_selector",)
+        rules += [WeightRule(f"candidate_selector.{name}", (*selector, name), False)
+                  for name in ("predecessor_codebook", "successor_codebook")]
+        rules += _linear("candidate_selector.hidden_projection", (*selector, "hidden_projection"), bias=False)
     return rules
+
+
+def drafter_plain_name(name: str) -> str:
+    """A drafter tensor's name as the rules spell it: without an optional `model.` prefix, and
+    DFlash 2's codebooks bare (as z-lab publishes them; transformers' save adds `.weight`)."""
+    name = name.removeprefix("model.")
+    return name.removesuffix(".weight") if name.endswith("_codebook.weight") else name
 
 
 def drafter_ignored(cfg: DrafterConfig, name: str) -> bool:

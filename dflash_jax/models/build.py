@@ -36,6 +36,8 @@ def quantize_model(model: Target | Drafter, quantization: WeightQuantization) ->
         raise ValueError("quantize a model loaded without a mesh, then place it on the mesh.")
     if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
         raise ValueError("8-bit mixture-of-experts targets are not supported yet; keep this target's float weights.")
+    if isinstance(model.cfg, DrafterConfig) and model.cfg.dflash2 is not None:
+        raise ValueError("8-bit DFlash 2 drafters are not supported yet; keep this drafter's float weights.")
     cfg = dataclasses.replace(model.cfg, quantization=quantization)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 

@@ -1,4 +1,4 @@
-"""The DFlash-1 block drafter (spec section 1) in Flax NNX.
+"""The DFlash block drafter (spec section 1) in Flax NNX; DFlash 2's parts in `dflash2.py`.
 
 The drafter owns no embedding and no LM head: callers embed the block with the target's table
 and unembed with the target's head. Context tokens contribute keys and values only, computed
@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
+from dflash_jax.models.dflash2 import CandidateSelector, DFlash2DecoderLayer
 from dflash_jax.sharding import replicated
 from pallas_kernels.quantized_matmul import quantized_matmul_reference
 
@@ -30,9 +31,13 @@ class Drafter(nnx.Module):
         self.fc = linear(cfg.fc_in_features, cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs,
                          quantization=cfg.quantization)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, qk_norm=True, mlp_bias=False, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)
-        ])
+        if cfg.dflash2 is None:
+            layer = functools.partial(DecoderLayer, cfg, qk_norm=True, mlp_bias=False)
+        else:  # DFlash 2: convolutions around each sublayer, and the candidate selector
+            layer = functools.partial(DFlash2DecoderLayer, cfg)
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.dflash2, dtype=dtype,
+                                                        rngs=rngs)
+        self.layers = nnx.List([layer(dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
 
     @property
