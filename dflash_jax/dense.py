@@ -122,8 +122,9 @@ def _greedy_path(drafter, hidden_PD, logits_PV, anchor):
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
 def _draft_logits(target, drafter, features_LF, num_ctx, block_B, kernels):
-    """Context features padded to L rows, of which the first `num_ctx` are real: the padding's
-    keys are masked out and the block sits right after the real context."""
+    """(hidden [B - 1, D], float32 logits [B - 1, V]) of block slots 1..B-1. Context features
+    padded to L rows, of which the first `num_ctx` are real: the padding's keys are masked out
+    and the block sits right after the real context."""
     ctx_positions_L = jnp.arange(features_LF.shape[0], dtype=jnp.int32)
     block_positions_B = num_ctx + jnp.arange(block_B.shape[0], dtype=jnp.int32)
     context_kv = drafter.context_kv(features_LF, ctx_positions_L)
