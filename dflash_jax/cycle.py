@@ -359,7 +359,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         anchor_pos_S=with_slot_rows(state.anchor_pos_S, batch.slots_R, next_anchor_pos_R, new_anchor_R),
     )
     if n:
-        draft_caches, draft_logits_RNV = draft_step(
+        draft_caches, draft_logits_RNV, draft_hidden_RND = draft_step(
             target, models[1], state.draft_caches, batch.draft_page_tables, batch.target, features,
             num_rejected_R=jnp.where(batch.verifying_R, n - accepted_R, 0),
             num_sampled_R=samples_R.astype(jnp.int32),
@@ -369,9 +369,15 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             kernels=cfg.kernels,
         )
         with jax.named_scope("sample_drafts"):
-            drafts_RN, probs_RNV = sampling.sample_drafts(draft_logits_RNV, p.temperature_R, p.top_k_R, p.top_p_R,
-                                                          p.seeds_R, next_anchor_pos_R, greedy=cfg.greedy,
-                                                          argmax=cfg.argmax_drafts)
+            if models[1].cfg.dflash2 is None:
+                drafts_RN, probs_RNV = sampling.sample_drafts(draft_logits_RNV, p.temperature_R, p.top_k_R, p.top_p_R,
+                                                              p.seeds_R, next_anchor_pos_R, greedy=cfg.greedy,
+                                                              argmax=cfg.argmax_drafts)
+            else:  # DFlash 2: the candidate selector walks each block (drawing where rows sample)
+                sampled = {} if not cfg.keeps_draft_probs else dict(
+                    temperature_R=p.temperature_R, seeds_R=p.seeds_R, positions_R=next_anchor_pos_R)
+                drafts_RN, _, probs_RNV = models[1].candidate_selector.walk(draft_hidden_RND, draft_logits_RNV,
+                                                                           next_anchor_R, **sampled)
         state = dataclasses.replace(
             state,
             draft_caches=draft_caches,

@@ -31,6 +31,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.buckets import Program, holds, program_for, programs
+from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState
 from dflash_jax.flat_models import flatten_models
 from dflash_jax.kernels import Kernels, check_kernels
@@ -40,7 +41,7 @@ from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.requests import (
     DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logit_bias,
-    check_logprobs, check_penalties, check_prompt, check_request, check_runtime_drafter, check_stop_token_ids,
+    check_logprobs, check_penalties, check_prompt, check_request, check_stop_token_ids,
     resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
@@ -120,7 +121,7 @@ class Engine:
         check_kernels(kernels)
         max_num_reqs = check_count("max_num_reqs", max_num_reqs)
         if drafter is not None:
-            check_runtime_drafter(target.cfg, drafter.cfg)
+            check_drafter_fits_target(target.cfg, drafter.cfg)
             block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=max_num_reqs,
                                             kernels=kernels.resolve(target.mesh))
             draft_block_size = resolve_draft_block_size(drafter.cfg, block_size, draft_block_size)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleBatch, CycleConfig, DecodeState, SamplingRows, speculative_cycle, verify_batch
 from dflash_jax.flat_models import flatten_models, unflatten_models
 from dflash_jax.kernels import Kernels, check_kernels
@@ -26,7 +27,7 @@ from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.sharding import replicated
 from dflash_jax.requests import (
-    SamplingParams, check_count, check_prompt, check_request, check_runtime_drafter, check_stop_token_ids,
+    SamplingParams, check_count, check_prompt, check_request, check_stop_token_ids,
     resolve_block_size, resolve_draft_block_size, stop_id_array,
 )
 from dflash_jax.sampling import DEFAULT_DRAFT_SAMPLING, check_draft_sampling
@@ -97,7 +98,7 @@ def generate(
     costs no decode.
     """
     target, drafter = on_one_mesh((target, drafter), mesh)
-    check_runtime_drafter(target.cfg, drafter.cfg)
+    check_drafter_fits_target(target.cfg, drafter.cfg)
     check_draft_sampling(draft_sampling)
     block_size = resolve_block_size(drafter.cfg, block_size, target.cfg, batch=len(prompts),
                                     kernels=check_kernels(kernels).resolve(target.mesh))

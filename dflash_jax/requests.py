@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from dflash_jax import sampling
-from dflash_jax.config import DrafterConfig, TargetConfig, check_drafter_fits_target
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.verify_block import default_block_size
 
 INT32_MAX = 2**31 - 1
@@ -143,17 +143,6 @@ def _check_int_array(name: str, value, hint: str) -> np.ndarray:
     if not flat or not all(is_int(x) for x in flat) or sampling._holds_bool(value):  # ravel turns True into 1
         raise ValueError(f"{name} must be an integer{hint}, got {value!r}.")
     return np.asarray(flat, np.int64)
-
-
-def check_runtime_drafter(target: TargetConfig, drafter: DrafterConfig) -> None:
-    """Refuse a drafter for another target (`check_drafter_fits_target`), and one the decoding
-    runtime cannot run yet: DFlash 2's convolutions must stay within each request's block and
-    its selector walk each block, which only the dense API (`draft_logits`, `draft_path`) does
-    so far."""
-    check_drafter_fits_target(target, drafter)
-    if drafter.dflash2 is not None:
-        raise ValueError("DFlash 2 drafters run in the dense API only so far (dflash_jax.draft_logits, draft_path); "
-                         "generate, the Engine, serve and train-drafter need a DFlash-1 drafter (DFlashDraftModel).")
 
 
 def resolve_block_size(drafter: DrafterConfig, block_size: int | None, target: TargetConfig | None = None,

@@ -137,7 +137,8 @@ def draft_step(
     max_model_len: int,
     kernels: Kernels,
 ):
-    """(caches, draft logits [R, N, V] float32) after the target ran `batch`.
+    """(caches, draft logits [R, N, V] float32, their hidden states [R, N, D]) after the target
+    ran `batch`.
 
     `caches` and `page_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
@@ -205,8 +206,9 @@ def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], feat
 
 def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: list[DFlashLayout], *,
                 num_drafts: int, draft_block_size: int, kernels: Kernels):
-    """(caches, draft logits [R, N, V] float32): the block's query rows through the drafter,
-    their K/V written to the caches, logits at the sample rows through the target's head."""
+    """(caches, draft logits [R, N, V] float32, the drafter's hidden states of those rows
+    [R, N, D]): the block's query rows through the drafter, their K/V written to the caches,
+    logits at the sample rows through the target's head."""
     num_rows = page_tables[0].shape[0]
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
@@ -222,8 +224,8 @@ def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: 
         return out_TUH
 
     block_embeds = target.embed(layout.input_ids).astype(drafter.dtype)
-    hidden_TD = drafter(block_embeds, layout.query_positions, attend, kernels)
+    hidden_TD = drafter(block_embeds, layout.query_positions, attend, kernels, block_size=draft_block_size)
     # The drafter's B - 1 drafts per request; only the first N are verified (the rest get no head).
     hidden_RND = hidden_TD[layout.sample_indices].reshape(num_rows, draft_block_size - 1, -1)[:, :num_drafts]
     logits = drafter.logits(target.unembed, hidden_RND.reshape(num_rows * num_drafts, -1).astype(target.dtype))
-    return tuple(caches), logits.reshape(num_rows, num_drafts, -1)
+    return tuple(caches), logits.reshape(num_rows, num_drafts, -1), hidden_RND

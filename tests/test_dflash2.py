@@ -1,7 +1,9 @@
 """DFlash 2 drafters (z-lab's DFlash2DraftModel, dflash 0.1.0 as the oracle), float32 on CPU:
 a checkpoint saved as z-lab publishes it (bare codebook tensors) loads, its draft logits (the
-backbone with the convolutions) and its greedy candidate path match the oracle's; malformed
-configs are refused with the reason."""
+backbone with the convolutions) and its greedy candidate path match the oracle's; greedy
+decoding matches z-lab's loop (tokens and accepted lengths) in `generate` and the Engine;
+sampled decoding keeps the target's law; export gives the layout back; malformed configs and
+8-bit conversion are refused with the reason."""
 
 import numpy as np
 import pytest
@@ -106,12 +108,64 @@ def test_export_gives_the_z_lab_layout_back(pair, tmp_path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
-def test_the_runtime_refuses_dflash2_drafters_with_the_reason(pair):
-    _, _, target, drafter = pair
-    with pytest.raises(ValueError, match="dense API only so far"):
-        dflash_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=4)
-    with pytest.raises(ValueError, match="dense API only so far"):
-        dflash_jax.Engine(target, drafter)
+@pytest.fixture(scope="module")
+def biased_pair(tmp_path_factory):
+    """A target whose greedy outputs repeat (so drafts are often right) and a DFlash 2 drafter
+    for it, block 8."""
+    from test_generate import biased_target
+
+    tmp = tmp_path_factory.mktemp("dflash2-biased")
+    hf = biased_target(seed=3)
+    config = dflash2_config(hf.config.to_dict())
+    zlab = make_zlab_dflash2(config, seed=4)
+    target = dflash_jax.load_target(save_hf(hf, tmp / "target"))
+    return hf, zlab, target, dflash_jax.load_drafter(save_as_published(zlab, tmp / "drafter", config))
+
+
+def test_greedy_decoding_matches_the_zlab_loop_and_autoregressive(biased_pair):
+    """Tokens and per-cycle accepted lengths equal z-lab's `dflash_generate` with the same
+    DFlash 2 drafter (its convolutions within each request's block, its selector's path), in
+    `generate` and the Engine, and equal autoregressive decoding."""
+    from test_generate import PROMPTS, zlab_generate
+
+    hf, zlab, target, drafter = biased_pair
+    ours = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=32)
+    assert ours.token_ids == dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=32).token_ids
+    for prompt, tokens, lengths in zip(PROMPTS, ours.token_ids, ours.accepted_lengths):
+        ref_tokens, ref_lengths = zlab_generate(zlab, hf, prompt, 32)
+        assert tokens == ref_tokens
+        assert lengths[:-2] == ref_lengths[: len(lengths) - 2]  # the reference shortens its last blocks
+    assert any(n > 1 for lengths in ours.accepted_lengths for n in lengths)
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=32)
+    ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=32)) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i) for i in ids] == ours.token_ids
+
+
+def test_sampled_tokens_follow_the_targets_law(biased_pair):
+    """Rejection sampling with the selector's q over its candidates keeps the target's law:
+    the first two sampled tokens (the second one verified against the selector's draft) over
+    800 seeds, against the target's own p(t1) p(t2 | t1) (chi-square)."""
+    import jax
+
+    from conftest import chi_square_pvalue
+
+    _, _, target, drafter = biased_pair
+    prompt, draws = [5, 17, 33, 2], 800
+    out = dflash_jax.generate(target, drafter, [prompt] * draws, max_new_tokens=2, temperature=1.0,
+                              seed=list(range(draws)))
+    pairs = [tuple(tokens) for tokens in out.token_ids]
+    first = np.asarray(jax.nn.softmax(dflash_jax.target_forward(target, prompt)[0][-1]))
+    cells, probs = [], []
+    for t1 in sorted({t1 for t1, _ in pairs}):
+        second = np.asarray(jax.nn.softmax(dflash_jax.target_forward(target, prompt + [t1])[0][-1]))
+        cells += [(t1, t2) for t2 in range(second.size)]
+        probs += list(first[t1] * second)
+    counts = [pairs.count(cell) for cell in cells]
+    assert sum(counts) == draws
+    # the unobserved first tokens' mass is one more cell, with no draws in it
+    assert chi_square_pvalue(counts + [0], probs + [max(0.0, 1 - sum(probs))]) > 1e-3
 
 
 def test_draft_path_needs_a_dflash2_drafter(tmp_path):

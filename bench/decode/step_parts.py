@@ -129,8 +129,9 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
             return write_context_kv(models[1], caches, *inputs), ()
 
         def draft(models, caches, layouts_, num_drafts=num_drafts):
-            return draft_block(models[0], models[1], caches, tables, layouts_, num_drafts=num_drafts,
-                               draft_block_size=dcfg.trained_block_size, kernels=kernels)
+            caches, logits, _ = draft_block(models[0], models[1], caches, tables, layouts_, num_drafts=num_drafts,
+                                            draft_block_size=dcfg.trained_block_size, kernels=kernels)
+            return caches, logits
 
         def sample(models, carry, logits):
             return carry, sampling.sample_drafts(logits, *sampling_R, start_R, greedy=True)

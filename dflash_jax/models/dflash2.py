@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax import sampling
 from dflash_jax.config import DFlash2Config
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import DecoderLayer, apply_linear, linear
@@ -58,23 +59,30 @@ class GroupedDynamicConv(nnx.Module):
 
 
 class DFlash2DecoderLayer(DecoderLayer):
-    """`DecoderLayer` with the convolutions around attention and MLP. The rows of one call are
-    one block (the dense API's draft block)."""
+    """`DecoderLayer` with the convolutions around attention and MLP, over blocks of
+    `block_size` consecutive rows (None: all the call's rows are one block)."""
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, qk_norm=True, mlp_bias=False, dtype=dtype, rngs=rngs)
         self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.dflash2, dtype=dtype, rngs=rngs)
         self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.dflash2, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
+    def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE, block_size=None):
+        blocks = x_TD.shape[0] // (block_size or x_TD.shape[0])
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
-        h_TD, attention_kernel = self.attention_conv.prepare(h_TD)
-        a_TUH = attend(self.self_attn.project(h_TD, positions_T, kernels))
+        h_BD, attention_kernel = self.attention_conv.prepare(_blocked(h_TD, blocks))
+        a_TUH = attend(self.self_attn.project(h_BD.reshape(x_TD.shape), positions_T, kernels))
         attended = apply_linear(self.self_attn.o_proj, a_TUH.reshape(x_TD.shape[0], -1), kernels)
-        x_TD, h_TD = self.post_attention_layernorm.add_norm(
-            x_TD, self.attention_conv.finish(attended, attention_kernel), kernels)
-        h_TD, mlp_kernel = self.mlp_conv.prepare(h_TD)
-        return x_TD, self.mlp_conv.finish(self.mlp(h_TD, kernels), mlp_kernel)
+        attended = self.attention_conv.finish(_blocked(attended, blocks), attention_kernel).reshape(x_TD.shape)
+        x_TD, h_TD = self.post_attention_layernorm.add_norm(x_TD, attended, kernels)
+        h_BD, mlp_kernel = self.mlp_conv.prepare(_blocked(h_TD, blocks))
+        out_TD = self.mlp(h_BD.reshape(x_TD.shape), kernels)
+        return x_TD, self.mlp_conv.finish(_blocked(out_TD, blocks), mlp_kernel).reshape(x_TD.shape)
+
+
+def _blocked(rows_TD, blocks: int):
+    """[T, D] rows as [blocks, T / blocks, D]: each block's positions along the middle axis."""
+    return rows_TD.reshape(blocks, -1, rows_TD.shape[-1])
 
 
 class CandidateSelector(nnx.Module):
@@ -90,17 +98,44 @@ class CandidateSelector(nnx.Module):
 
     def greedy_path(self, hidden_PD, logits_PV, anchor):
         """(the drafts [P], each position's candidates [P, top_k]) for the P positions after
-        the anchor token `anchor`: one scan step per position, the best-scored candidate
-        becoming the next step's predecessor."""
-        unary_PK, candidates_PK = jax.lax.top_k(logits_PV, self.top_k)
-        h_PR = self.hidden_projection(hidden_PD)
+        the anchor token `anchor` (the dense API's one block)."""
+        drafts, candidates, _ = self.walk(hidden_PD[None], logits_PV[None], jnp.asarray(anchor, jnp.int32)[None])
+        return drafts[0], candidates[0]
+
+    def walk(self, hidden_RND, logits_RNV, anchors_R, temperature_R=None, seeds_R=None, positions_R=None):
+        """Each row's drafts [R, N] through its positions' top-K candidates [R, N, K], one scan
+        step per position, the chosen candidate becoming the next step's predecessor; and,
+        where `temperature_R` is given, q [R, N, V]: the selector's distribution each draft
+        was drawn from (softmax of the scores over temperature, zero outside the candidates;
+        one-hot where the row is greedy), keyed (DRAFT_STREAM, the anchor's position
+        `positions_R` + j) as `sampling.sample_drafts` keys its draws. Without it (greedy, or
+        argmax drafts) every row takes its best-scored candidate and q is None."""
+        unary_RNK, candidates_RNK = jax.lax.top_k(logits_RNV.astype(jnp.float32), self.top_k)
+        h_RNQ = self.hidden_projection(hidden_RND)
         predecessors, successors = self.predecessor_codebook[...], self.successor_codebook[...]
+        sampled = temperature_R is not None
 
-        def step(previous, inputs):
-            unary_K, candidates_K, h_R = inputs
-            pairing = (predecessors[previous] * h_R) @ successors[candidates_K].T
-            chosen = candidates_K[jnp.argmax(unary_K + pairing.astype(unary_K.dtype))]
-            return chosen, chosen
+        def step(previous_R, inputs):
+            unary_RK, candidates_RK, h_RQ, j = inputs
+            pairing_RK = jnp.einsum("rq,rkq->rk", predecessors[previous_R] * h_RQ, successors[candidates_RK])
+            scores_RK = unary_RK + pairing_RK.astype(jnp.float32)
+            if not sampled:
+                index_R = jnp.argmax(scores_RK, axis=-1)
+                q_RK = scores_RK
+            else:
+                greedy_R = temperature_R[:, None] <= 0
+                q_RK = jnp.where(greedy_R, jax.nn.one_hot(jnp.argmax(scores_RK, axis=-1), self.top_k),
+                                 jax.nn.softmax(scores_RK / jnp.where(greedy_R, 1.0, temperature_R[:, None]), axis=-1))
+                index_R = sampling.sample_tokens(q_RK, seeds_R, positions_R + j, sampling.DRAFT_STREAM)
+            chosen_R = jnp.take_along_axis(candidates_RK, index_R[:, None], axis=-1)[:, 0]
+            return chosen_R, (chosen_R, q_RK)
 
-        _, drafts_P = jax.lax.scan(step, jnp.asarray(anchor, jnp.int32), (unary_PK, candidates_PK, h_PR))
-        return drafts_P, candidates_PK
+        steps = (jnp.swapaxes(unary_RNK, 0, 1), jnp.swapaxes(candidates_RNK, 0, 1), jnp.swapaxes(h_RNQ, 0, 1),
+                 jnp.arange(unary_RNK.shape[1], dtype=jnp.int32))
+        _, (drafts_NR, q_NRK) = jax.lax.scan(step, anchors_R.astype(jnp.int32), steps)
+        if not sampled:
+            return drafts_NR.T, candidates_RNK, None
+        R, N, _ = candidates_RNK.shape
+        q_RNV = jnp.zeros(logits_RNV.shape, jnp.float32).at[
+            jnp.arange(R)[:, None, None], jnp.arange(N)[None, :, None], candidates_RNK].set(jnp.swapaxes(q_NRK, 0, 1))
+        return drafts_NR.T, candidates_RNK, q_RNV

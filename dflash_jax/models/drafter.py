@@ -79,12 +79,16 @@ class Drafter(nnx.Module):
             for i, layer in enumerate(self.layers)
         ]
 
-    def __call__(self, block_embeds_BD, positions_B, attend: AttendFn, kernels: Kernels = REFERENCE):
+    def __call__(self, block_embeds_BD, positions_B, attend: AttendFn, kernels: Kernels = REFERENCE,
+                 block_size: int | None = None):
         """Block hidden states [B, D] after the final norm; `attend(i, heads)` per layer
-        (`layers.AttendFn`); `kernels` (resolved) picks the norm's implementation."""
+        (`layers.AttendFn`); `kernels` (resolved) picks the norm's implementation. The rows are
+        blocks of `block_size` consecutive rows (None: one block), which DFlash 2's
+        convolutions keep apart."""
         x_BD, delta_BD = block_embeds_BD * jnp.asarray(self.cfg.input_embedding_scale, block_embeds_BD.dtype), None
+        per_block = {} if self.cfg.dflash2 is None else {"block_size": block_size}
         for i, layer in enumerate(self.layers):
-            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i), kernels)
+            x_BD, delta_BD = layer(x_BD, delta_BD, positions_B, functools.partial(attend, i), kernels, **per_block)
             x_BD, delta_BD = replicated(x_BD, self.mesh), replicated(delta_BD, self.mesh)
         return self.norm.add_norm(x_BD, delta_BD, kernels)[1]
 

@@ -185,7 +185,6 @@ def run_train(args: argparse.Namespace) -> None:
     from dflash_jax.config import parse_drafter_config
     from dflash_jax.formats.hf_config import to_hf_config
     from dflash_jax.models import Drafter
-    from dflash_jax.requests import check_runtime_drafter
     from dflash_jax.checkpoint import check_checkpoint_folder
     from dflash_jax.train.data import DrafterDataset
     from dflash_jax.train.init import default_mask_token_id, new_drafter_config
@@ -210,7 +209,9 @@ def run_train(args: argparse.Namespace) -> None:
     if args.drafter:
         with quiet_checkpoint_reads():
             drafter = load_drafter(args.drafter, dtype="float32")
-        check_runtime_drafter(target.cfg, drafter.cfg)
+        if drafter.cfg.dflash2 is not None:
+            raise ValueError(f"{args.drafter} is a DFlash 2 drafter; train-drafter trains DFlash-1 drafters only so "
+                             "far.")
         if drafter.cfg.quantization is not None:
             raise ValueError(f"{args.drafter} holds 8-bit weights, which train-drafter cannot update; start from "
                              "the drafter's float checkpoint.")
