@@ -168,6 +168,25 @@ def test_sampled_tokens_follow_the_targets_law(biased_pair):
     assert chi_square_pvalue(counts + [0], probs + [max(0.0, 1 - sum(probs))]) > 1e-3
 
 
+def test_the_selectors_q_stays_a_distribution_at_any_temperature(pair):
+    """Tiny temperatures tend to the greedy choice, never NaN; a zero temperature is one-hot."""
+    import jax.numpy as jnp
+
+    _, _, _, drafter = pair
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(4, 3, drafter.cfg.hidden_size)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(4, 3, drafter.cfg.vocab_size)) * 30, jnp.float32)
+    anchors = jnp.asarray([1, 2, 3, 4])
+    greedy, _, _ = drafter.candidate_selector.walk(hidden, logits, anchors)
+    temperatures = jnp.asarray([1e-12, 1e-8, 0.0, 1.0])
+    drafts, _, q = drafter.candidate_selector.walk(hidden, logits, anchors, temperatures, jnp.zeros(4, jnp.int32),
+                                                   jnp.zeros(4, jnp.int32))
+    q = np.asarray(q)
+    assert np.isfinite(q).all() and np.allclose(q.sum(-1), 1, atol=1e-5)
+    assert (np.asarray(drafts)[:3] == np.asarray(greedy)[:3]).all()
+    assert np.isin(q[2].max(-1), [1.0]).all()
+
+
 def test_draft_path_needs_a_dflash2_drafter(tmp_path):
     from conftest import make_zlab_drafter
 

@@ -124,8 +124,9 @@ class CandidateSelector(nnx.Module):
                 q_RK = scores_RK
             else:
                 greedy_R = temperature_R[:, None] <= 0
+                tempered_RK = sampling.scaled_logits(scores_RK, jnp.where(greedy_R[:, 0], 1.0, temperature_R))
                 q_RK = jnp.where(greedy_R, jax.nn.one_hot(jnp.argmax(scores_RK, axis=-1), self.top_k),
-                                 jax.nn.softmax(scores_RK / jnp.where(greedy_R, 1.0, temperature_R[:, None]), axis=-1))
+                                 jax.nn.softmax(tempered_RK, axis=-1))
                 index_R = sampling.sample_tokens(q_RK, seeds_R, positions_R + j, sampling.DRAFT_STREAM)
             chosen_R = jnp.take_along_axis(candidates_RK, index_R[:, None], axis=-1)[:, 0]
             return chosen_R, (chosen_R, q_RK)

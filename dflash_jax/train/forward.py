@@ -73,7 +73,11 @@ def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anc
 
 
 def block_logits(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
-    """float32 logits [A, B-1, V] of block slots 1..B-1 through the target's head."""
+    """float32 logits [A, B-1, V] of block slots 1..B-1 through the target's head (DFlash-1
+    drafters: a DFlash 2 drafter's drafts are its selector's, and its training is not built)."""
+    if drafter.cfg.dflash2 is not None:
+        raise ValueError("training and the block-logits acceptance measures take DFlash-1 drafters only so far; a "
+                         "DFlash 2 drafter drafts through its candidate selector (dflash_jax.draft_path, generate).")
     hidden_ABD = block_hidden(target, drafter, token_ids_L, features_LF, anchors_A)
     num_anchors, block_size, hidden = hidden_ABD.shape
     hidden_TD = hidden_ABD[:, 1:].reshape(-1, hidden).astype(target.dtype)
