@@ -122,6 +122,7 @@ def biased_pair(tmp_path_factory):
     return hf, zlab, target, dflash_jax.load_drafter(save_as_published(zlab, tmp / "drafter", config))
 
 
+@pytest.mark.slow
 def test_greedy_decoding_matches_the_zlab_loop_and_autoregressive(biased_pair):
     """Tokens and per-cycle accepted lengths equal z-lab's `dflash_generate` with the same
     DFlash 2 drafter (its convolutions within each request's block, its selector's path), in
@@ -143,6 +144,7 @@ def test_greedy_decoding_matches_the_zlab_loop_and_autoregressive(biased_pair):
     assert [engine.output(i) for i in ids] == ours.token_ids
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_targets_law(biased_pair):
     """Rejection sampling with the selector's q over its candidates keeps the target's law:
     the first two sampled tokens (the second one verified against the selector's draft) over
