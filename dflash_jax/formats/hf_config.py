@@ -11,7 +11,8 @@ from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig, parse_dr
 
 
 def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
-    """The HF `config.json` dict that parses back to `cfg` (z-lab DFlash-1 for drafters)."""
+    """The HF `config.json` dict that parses back to `cfg` (z-lab's DFlash-1 or DFlash 2 layout
+    for drafters)."""
     common = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

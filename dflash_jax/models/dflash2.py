@@ -120,8 +120,7 @@ class CandidateSelector(nnx.Module):
             pairing_RK = jnp.einsum("rq,rkq->rk", predecessors[previous_R] * h_RQ, successors[candidates_RK])
             scores_RK = unary_RK + pairing_RK.astype(jnp.float32)
             if not sampled:
-                index_R = jnp.argmax(scores_RK, axis=-1)
-                q_RK = scores_RK
+                index_R, q_RK = jnp.argmax(scores_RK, axis=-1), None
             else:
                 greedy_R = temperature_R[:, None] <= 0
                 tempered_RK = sampling.scaled_logits(scores_RK, jnp.where(greedy_R[:, 0], 1.0, temperature_R))
@@ -133,7 +132,7 @@ class CandidateSelector(nnx.Module):
 
         steps = (jnp.swapaxes(unary_RNK, 0, 1), jnp.swapaxes(candidates_RNK, 0, 1), jnp.swapaxes(h_RNQ, 0, 1),
                  jnp.arange(unary_RNK.shape[1], dtype=jnp.int32))
-        _, (drafts_NR, q_NRK) = jax.lax.scan(step, anchors_R.astype(jnp.int32), steps)
+        _, (drafts_NR, q_NRK) = jax.lax.scan(step, anchors_R.astype(jnp.int32), steps)  # q: None unless sampled
         if not sampled:
             return drafts_NR.T, candidates_RNK, None
         R, N, _ = candidates_RNK.shape
