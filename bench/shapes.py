@@ -65,6 +65,13 @@ GPT_OSS_20B_DRAFTER = dict(
     num_key_value_heads=8, head_dim=64, num_target_layers=24,
     dflash_config=dict(mask_token_id=200017, target_layer_ids=[1, 6, 11, 16, 21], block_size=16),
 )
+# DFlash 2 (issue 33): the 8B drafter with convolutions and a candidate selector, at the sizes
+# of the published DFlash 2 recipes (kernel 4, top 16 candidates, rank 256).
+QWEN3_8B_DFLASH2_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, architectures=["DFlash2DraftModel"],
+    dflash_config=dict(QWEN3_8B_DRAFTER["dflash_config"], conv_kernel_size=4, conv_group_size=64, selector_rank=256,
+                       selector_top_k=16),
+)
 SMALL = dict(QWEN3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 SMALL_DRAFTER = dict(
@@ -87,6 +94,7 @@ class ModelShapes:
 
 MODELS = {
     "qwen3-8b": ModelShapes("Qwen3-8B shape", QWEN3_8B, QWEN3_8B_DRAFTER),
+    "qwen3-8b-dflash2": ModelShapes("Qwen3-8B shape, DFlash 2 drafter", QWEN3_8B, QWEN3_8B_DFLASH2_DRAFTER),
     "qwen3-32b": ModelShapes("Qwen3-32B shape", QWEN3_32B, QWEN3_32B_DRAFTER),
     "smollm2-135m": ModelShapes("SmolLM2-135M shape", SMOLLM2_135M, SMOLLM2_135M_DRAFTER),
     "qwen3-30b-a3b": ModelShapes("Qwen3-30B-A3B shape", QWEN3_30B_A3B, QWEN3_30B_A3B_DRAFTER),

@@ -326,12 +326,13 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         output_multiplier=float(field("output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
         quantization=quantization,
-        dflash2=_dflash2(field, hidden, vocab_size) if architecture == "DFlash2DraftModel" else None,
+        dflash2=parse_dflash2(field, hidden, vocab_size) if architecture == "DFlash2DraftModel" else None,
     )
 
 
-def _dflash2(field, hidden: int, vocab_size: int) -> DFlash2Config:
-    """DFlash 2's four dflash_config fields, each a positive integer that fits the model."""
+def parse_dflash2(field, hidden: int, vocab_size: int) -> DFlash2Config:
+    """DFlash 2's four dflash_config fields (`field(name)` gives each), each a positive integer
+    that fits the model."""
     values = {}
     for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
         value = field(name)

@@ -1,7 +1,7 @@
 """Expected accepted length for each (drafter block, verified drafts) pair, greedy, CPU-friendly.
 
 Every anchor position of the target's own greedy answers is drafted at once with the dense
-training forward (`train.forward.block_logits`), with the drafter run on blocks of 4, 8 or 16
+training forward (`train.forward.block_drafts`), with the drafter run on blocks of 4, 8 or 16
 tokens; the accepted length of verifying the first N drafts is 1 + the matching prefix, capped
 at N. Averaged over anchors, not over the cycles of a real run, but the same for every pair.
 
@@ -22,7 +22,7 @@ from bench import harness
 from dflash_jax.demo import DEFAULT_DRAFTER, QUESTIONS
 from dflash_jax.models import model_from_params
 from dflash_jax.tokenizer import ChatTokenizer
-from dflash_jax.train.forward import block_logits, target_logits_and_features
+from dflash_jax.train.forward import block_drafts, target_logits_and_features
 from dflash_jax.train.prompts import everyday_prompts
 
 
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
             ids = np.asarray(prompt + answer, np.int32)
             _, features = target_logits_and_features(target, jnp.asarray(ids), sized.cfg.target_layer_ids)
             anchors = np.arange(len(prompt), len(ids) - 1, dtype=np.int32)
-            drafts = np.asarray(jnp.argmax(block_logits(target, sized, jnp.asarray(ids), features, jnp.asarray(anchors)), -1))
+            drafts = np.asarray(block_drafts(target, sized, jnp.asarray(ids), features, jnp.asarray(anchors)))
             for row, anchor in enumerate(anchors):
                 truth = ids[anchor + 1 : anchor + block]
                 hits = np.flatnonzero(drafts[row, : len(truth)] != truth)

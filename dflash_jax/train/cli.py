@@ -49,8 +49,9 @@ def add_parser(subparsers) -> None:
     train = subparsers.add_parser(
         "train-drafter",
         help="train a DFlash drafter against a frozen target (resumes from OUT/checkpoints)",
-        description="Train a DFlash-1 drafter (spec section 7). OUT gets checkpoints/ (orbax, to "
-        "resume), drafter_config.json and, at the end, drafter/ in the z-lab DFlash-1 HF format.",
+        description="Train a DFlash drafter (spec section 7), DFlash-1 or, with --dflash2, DFlash 2 (from "
+        "scratch or grown from a DFlash-1 --drafter). OUT gets checkpoints/ (orbax, to resume), "
+        "drafter_config.json and, at the end, drafter/ in z-lab's HF format.",
     )
     train.add_argument("target", type=Path, help="target model folder (converted orbax or HF)")
     train.add_argument("data", type=Path, nargs="+", help="training set(s) from build-drafter-data")
@@ -78,6 +79,16 @@ def add_parser(subparsers) -> None:
     train.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
                        help="weight of the target's own distribution as labels (distillation), 0..1")
     train.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (masters stay float32)")
+    dflash2 = train.add_argument_group("DFlash 2", "a new drafter, or one grown from a DFlash-1 --drafter, with "
+                                       "convolutions around its sublayers and a candidate selector")
+    dflash2.add_argument("--dflash2", action="store_true", help="train a DFlash 2 drafter")
+    dflash2.add_argument("--conv-kernel-size", type=int, default=4, help="taps of each causal convolution")
+    dflash2.add_argument("--conv-group-size", type=int, default=64,
+                         help="channels sharing one predicted kernel (divides the hidden size)")
+    dflash2.add_argument("--selector-rank", type=int, default=256, help="rank of the selector's codebooks")
+    dflash2.add_argument("--selector-top-k", type=int, default=16, help="candidates per block position")
+    dflash2.add_argument("--selector-weight", type=float, default=1.0,
+                         help="weight of the selector's loss beside the drafter's")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of a new drafter's weights, the data order and the anchors drawn")
     train.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS",
@@ -187,7 +198,7 @@ def run_train(args: argparse.Namespace) -> None:
     from dflash_jax.models import Drafter
     from dflash_jax.checkpoint import check_checkpoint_folder
     from dflash_jax.train.data import DrafterDataset
-    from dflash_jax.train.init import default_mask_token_id, new_drafter_config
+    from dflash_jax.train.init import default_mask_token_id, new_drafter_config, start_dflash2_parts, with_dflash2
     from dflash_jax.train.model_card import model_card_text
     from dflash_jax.train.step import Hyperparams
     from dflash_jax.train.trainer import train_drafter
@@ -209,30 +220,32 @@ def run_train(args: argparse.Namespace) -> None:
     if args.drafter:
         with quiet_checkpoint_reads():
             drafter = load_drafter(args.drafter, dtype="float32")
-        if drafter.cfg.dflash2 is not None:
-            raise ValueError(f"{args.drafter} is a DFlash 2 drafter; train-drafter trains DFlash-1 drafters only so "
-                             "far.")
         if drafter.cfg.quantization is not None:
             raise ValueError(f"{args.drafter} holds 8-bit weights, which train-drafter cannot update; start from "
                              "the drafter's float checkpoint.")
+        if args.dflash2 and drafter.cfg.dflash2 is None:
+            drafter = with_dflash2(drafter, _dflash2_config(args, drafter.cfg), seed=args.seed)
     elif config_path.is_file():  # resuming: the saved config wins over the shape flags
         drafter = Drafter(parse_drafter_config(json.loads(config_path.read_text())), rngs=nnx.Rngs(args.seed))
     else:
         mask = args.mask_token_id
         if mask is None:
             mask = default_mask_token_id(args.target, target.cfg.vocab_size)
+        dflash2 = _dflash2_config(args, target.cfg) if args.dflash2 else None
         cfg = new_drafter_config(
             target.cfg, mask_token_id=mask, num_layers=args.num_layers, block_size=args.block_size,
-            intermediate_size=args.intermediate_size, target_layer_ids=layer_ids,
+            intermediate_size=args.intermediate_size, target_layer_ids=layer_ids, dflash2=dflash2,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed))
+        if dflash2 is not None:
+            start_dflash2_parts(drafter)
     write_text_atomically(config_path, json.dumps(to_hf_config(drafter.cfg), indent=2))
 
     steps = args.steps if args.steps is not None else max(1, int(round(args.epochs * dataset.steps_per_epoch(args.batch_size))))
     hp = Hyperparams(
         total_steps=steps, learning_rate=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, max_anchors=args.max_anchors,
-        soft_label_weight=args.soft_labels, compute_dtype=args.dtype,
+        soft_label_weight=args.soft_labels, selector_weight=args.selector_weight, compute_dtype=args.dtype,
         seed=args.seed,
     )
     result = train_drafter(
@@ -244,6 +257,15 @@ def run_train(args: argparse.Namespace) -> None:
                            batch_size=args.batch_size, max_length=args.max_length)
     export_hf(result.drafter, export_dir, dtype="bfloat16", extra_files={"README.md": card})
     print(f"wrote drafter ({steps} steps, last loss {result.losses[-1] if result.losses else float('nan'):.4f}) to {export_dir}")
+
+
+def _dflash2_config(args: argparse.Namespace, model_cfg):
+    """The DFlash 2 flags as a config that fits `model_cfg`'s hidden size and vocabulary."""
+    from dflash_jax.config import parse_dflash2
+
+    flags = {"conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
+             "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k}
+    return parse_dflash2(flags.get, model_cfg.hidden_size, model_cfg.vocab_size)
 
 
 def check_train_args(args: argparse.Namespace) -> None:
@@ -259,6 +281,7 @@ def check_train_args(args: argparse.Namespace) -> None:
                         ("--gamma", args.gamma)):
         finite(flag, value, positive=True)
     finite("--weight-decay", args.weight_decay)
+    finite("--selector-weight", args.selector_weight)
     if not (math.isfinite(args.warmup_ratio) and 0 <= args.warmup_ratio < 1):
         raise ValueError(f"--warmup-ratio must lie in [0, 1), got {args.warmup_ratio}.")
     if not (math.isfinite(args.soft_labels) and 0 <= args.soft_labels <= 1):

@@ -19,7 +19,7 @@ from flax import nnx
 
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
-from dflash_jax.train.forward import block_logits, target_logits_and_features
+from dflash_jax.train.forward import block_drafts, target_logits_and_features
 from pallas_kernels.common import next_pow2
 
 
@@ -63,12 +63,12 @@ def _target_pass(target_graph, target_state, buffer_L):
 
 @functools.partial(jax.jit, static_argnames=("target_graph", "drafter_graph"))
 def _cycle(target_graph, target_state, drafter_graph, drafter_state, buffer_L, start):
-    """Greedy drafts [B-1] for the block anchored at `start`, and the target's argmax [B] there."""
+    """Greedy drafts [B-1] (the selector's path for DFlash 2) for the block anchored at `start`, and the target's argmax [B] there."""
     target = nnx.merge(target_graph, target_state)
     drafter = nnx.merge(drafter_graph, drafter_state)
     _, features_LF = target_logits_and_features(target, buffer_L, drafter.cfg.target_layer_ids)
     anchors_A = jnp.reshape(start, (1,)).astype(jnp.int32)
-    drafts_N = jnp.argmax(block_logits(target, drafter, buffer_L, features_LF, anchors_A)[0], axis=-1)
+    drafts_N = block_drafts(target, drafter, buffer_L, features_LF, anchors_A)[0]
     verify_L = jax.lax.dynamic_update_slice(buffer_L, drafts_N.astype(jnp.int32), (start + 1,))
     logits_LV, _ = target_logits_and_features(target, verify_L, ())
     block_size = drafter.cfg.trained_block_size

@@ -68,17 +68,29 @@ def block_hidden(target: Target, drafter: Drafter, token_ids_L, features_LF, anc
         return out_ABUH.reshape(q_TUH.shape)
 
     embeds_TD = target.embed(block_ids_AB.reshape(-1)).astype(drafter.dtype)
-    hidden_TD = drafter(embeds_TD, positions_AB.reshape(-1), finishing(attend))
+    hidden_TD = drafter(embeds_TD, positions_AB.reshape(-1), finishing(attend), block_size=block_size)
     return hidden_TD.reshape(num_anchors, block_size, -1)
 
 
-def block_logits(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
-    """float32 logits [A, B-1, V] of block slots 1..B-1 through the target's head (DFlash-1
-    drafters: a DFlash 2 drafter's drafts are its selector's, and its training is not built)."""
-    if drafter.cfg.dflash2 is not None:
-        raise ValueError("training and the block-logits acceptance measures take DFlash-1 drafters only so far; a "
-                         "DFlash 2 drafter drafts through its candidate selector (dflash_jax.draft_path, generate).")
+def block_outputs(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
+    """(float32 logits [A, B-1, V] through the target's head, hidden states [A, B-1, D]) of
+    block slots 1..B-1: what DFlash 2's candidate selector reads."""
     hidden_ABD = block_hidden(target, drafter, token_ids_L, features_LF, anchors_A)
     num_anchors, block_size, hidden = hidden_ABD.shape
     hidden_TD = hidden_ABD[:, 1:].reshape(-1, hidden).astype(target.dtype)
-    return drafter.logits(target.unembed, hidden_TD).reshape(num_anchors, block_size - 1, -1)
+    logits = drafter.logits(target.unembed, hidden_TD).reshape(num_anchors, block_size - 1, -1)
+    return logits, hidden_ABD[:, 1:]
+
+
+def block_logits(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
+    """float32 logits [A, B-1, V] of block slots 1..B-1 (`block_outputs`' first)."""
+    return block_outputs(target, drafter, token_ids_L, features_LF, anchors_A)[0]
+
+
+def block_drafts(target: Target, drafter: Drafter, token_ids_L, features_LF, anchors_A):
+    """Greedy drafts [A, B-1] of each anchor's block: the logits' argmax, or for a DFlash 2
+    drafter its candidate selector's best path from the anchor's token."""
+    logits_ANV, hidden_AND = block_outputs(target, drafter, token_ids_L, features_LF, anchors_A)
+    if drafter.cfg.dflash2 is None:
+        return jnp.argmax(logits_ANV, axis=-1).astype(jnp.int32)
+    return drafter.candidate_selector.walk(hidden_AND, logits_ANV, token_ids_L[anchors_A])[0]

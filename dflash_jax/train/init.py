@@ -10,11 +10,16 @@ different input (block embeddings plus projected multi-layer features).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
 
-from dflash_jax.config import DrafterConfig, LayerAttention, TargetConfig, default_target_layer_ids
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.config import DFlash2Config, DrafterConfig, LayerAttention, TargetConfig, default_target_layer_ids
+from dflash_jax.models import Drafter
 
 
 def new_drafter_config(
@@ -25,8 +30,10 @@ def new_drafter_config(
     block_size: int = 16,
     intermediate_size: int | None = None,
     target_layer_ids: Sequence[int] | None = None,
+    dflash2: DFlash2Config | None = None,
 ) -> DrafterConfig:
-    """DrafterConfig for `target`; layer ids default to spec section 3's uniform rule."""
+    """DrafterConfig for `target`; layer ids default to spec section 3's uniform rule; with
+    `dflash2`, a DFlash 2 drafter (start its parts with `start_dflash2_parts`)."""
     if num_layers < 1 or block_size < 2:
         raise ValueError(f"need num_layers >= 1 and block_size >= 2, got {num_layers} and {block_size}.")
     if not 0 <= mask_token_id < target.vocab_size:
@@ -54,6 +61,7 @@ def new_drafter_config(
         mask_token_id=mask_token_id,
         trained_block_size=block_size,
         layers=(LayerAttention(causal=False),) * num_layers,
+        dflash2=dflash2,
     )
 
 
@@ -80,3 +88,29 @@ def default_mask_token_id(target_dir: str | Path, vocab_size: int) -> int:
             "(e.g. an unused reserved special token)."
         )
     return first_free
+
+
+def with_dflash2(drafter: Drafter, dflash2: DFlash2Config, *, seed: int = 0) -> Drafter:
+    """A DFlash 2 drafter that drafts exactly as `drafter` (DFlash-1) does before training:
+    the same backbone weights, convolutions that pass their input through and a selector
+    whose pairing term is zero (`start_dflash2_parts`)."""
+    if drafter.cfg.dflash2 is not None:
+        raise ValueError("the drafter is a DFlash 2 drafter already; train it as it is.")
+    grown = Drafter(dataclasses.replace(drafter.cfg, dflash2=dflash2), dtype=drafter.dtype, rngs=nnx.Rngs(seed))
+    nnx.update(grown, nnx.state(drafter, nnx.Param))
+    start_dflash2_parts(grown)
+    return grown
+
+
+def start_dflash2_parts(drafter: Drafter) -> None:
+    """DFlash 2's parts set to leave the DFlash-1 path unchanged, in place: each convolution's
+    base kernel one at the current position and zero elsewhere, no predicted kernel; the
+    selector's hidden projection zero, so its pairing term starts at zero while the random
+    codebooks still give that projection a gradient."""
+    for layer in drafter.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            base = jnp.zeros_like(conv.base_kernel[...])
+            conv.base_kernel[...] = base.at[:, 0, :].set(1)
+            conv.kernel_projection.kernel[...] = jnp.zeros_like(conv.kernel_projection.kernel[...])
+    projection = drafter.candidate_selector.hidden_projection.kernel
+    projection[...] = jnp.zeros_like(projection[...])

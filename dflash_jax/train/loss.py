@@ -61,3 +61,22 @@ def block_loss_terms(logits_ANV, labels_AN, counted_AN, weights_N, soft_labels_A
         jnp.sum(correct_AN, axis=0).astype(jnp.float32),
         jnp.sum(counted_AN, axis=0).astype(jnp.float32),
     )
+
+
+def selector_loss_terms(selector, hidden_AND, logits_ANV, labels_AN, counted_AN, anchor_tokens_A, weights_N):
+    """DFlash 2's candidate selector, teacher-forced: per-sequence sums (weighted CE, weight,
+    correct per slot [N], counted per slot [N]).
+
+    At slot k the selector scores the drafter's top-K candidates with the true previous token
+    (the anchor's for slot 1) as predecessor; the CE is over those K scores with the true
+    token as label, so a slot counts only where the true token is among the candidates. The
+    candidates' choice carries no gradient; their scores (logit + pairing) do.
+    """
+    unary_ANK, candidates_ANK = selector.candidates(logits_ANV)
+    candidates_ANK = jax.lax.stop_gradient(candidates_ANK)
+    previous_AN = jnp.concatenate([anchor_tokens_A[:, None], labels_AN[:, :-1]], axis=1)
+    scores_ANK = selector.scores(selector.hidden_projection(hidden_AND), previous_AN, unary_ANK, candidates_ANK)
+    hit_ANK = candidates_ANK == labels_AN[..., None]
+    counted_AN = counted_AN & jnp.any(hit_ANK, axis=-1)
+    label_AN = jnp.argmax(hit_ANK, axis=-1)
+    return block_loss_terms(scores_ANK, label_AN, counted_AN, weights_N)

@@ -24,12 +24,13 @@ library_name: dflash-jax
 tags: [dflash, speculative-decoding, drafter]
 ---
 
-# DFlash-1 drafter (trained with dflash-jax)
+# {"DFlash 2" if cfg.dflash2 else "DFlash-1"} drafter (trained with dflash-jax)
 
-A block drafter for speculative decoding (DFlash, arXiv:2602.06036) in the z-lab DFlash-1
-format: `config.json` with `dflash_config`, weights in safetensors (bf16, sharded when large).
-It has no embedding or LM head of its own: load it next to its target.
-
+A block drafter for speculative decoding (DFlash, arXiv:2602.06036) in z-lab's
+{"DFlash2DraftModel" if cfg.dflash2 else "DFlash-1"} format: `config.json` with `dflash_config`,
+weights in safetensors (bf16, sharded when large). It has no embedding or LM head of its own:
+load it next to its target.
+{_dflash2_section(cfg.dflash2)}
 - target: `{run.get('target')}`
 - drafter: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block size {cfg.trained_block_size},
   mask token {cfg.mask_token_id}, target layers {list(cfg.target_layer_ids)}
@@ -46,6 +47,23 @@ It has no embedding or LM head of its own: load it next to its target.
   (slots 1..{cfg.trained_block_size - 1}) on the last batch: {accuracy}
 """
     return text
+
+
+def _dflash2_section(dflash2) -> str:
+    """What a DFlash 2 drafter adds, and the training choices no published recipe fixed."""
+    if dflash2 is None:
+        return ""
+    return f"""
+DFlash 2: a causal convolution around every attention and MLP sublayer ({dflash2.conv_kernel_size}
+taps, a predicted kernel per {dflash2.conv_group_size} channels) and a candidate selector over each
+position's {dflash2.selector_top_k} best logits (codebooks of rank {dflash2.selector_rank}).
+Training choices made here: the selector's loss is teacher-forced cross-entropy over the K
+candidates (the true previous token as predecessor, the true token as label, slots where it is
+not among the candidates left out), with the drafter's slot weights, added to the drafter's
+loss with `selector_weight`; gradients reach the logits through the candidates' scores. A
+drafter grown from a DFlash-1 one starts with convolutions that pass their input through and a
+zero pairing term, so it drafts as the DFlash-1 drafter until trained.
+"""
 
 
 def append_acceptance(export_dir: str | Path, acceptance: dict[str, float], setting: str) -> Path:

@@ -22,9 +22,9 @@ from dflash_jax.models import model_from_params
 from dflash_jax.config import DrafterConfig
 from dflash_jax.sharding import DATA
 from dflash_jax.train.anchors import sample_anchors
-from dflash_jax.train.forward import block_logits, target_logits_and_features
+from dflash_jax.train.forward import block_outputs, target_logits_and_features
 from dflash_jax.train.loss import (
-    block_loss_terms, block_soft_labels, block_targets, default_gamma, slot_weights,
+    block_loss_terms, block_soft_labels, block_targets, default_gamma, selector_loss_terms, slot_weights,
 )
 
 
@@ -40,6 +40,7 @@ class Hyperparams:
     gamma: float | None = None  # None: default_gamma(block_size)
     max_anchors: int = 512
     soft_label_weight: float = 0.0  # 0: hard labels only; 1: the target's distribution only
+    selector_weight: float = 1.0  # DFlash 2: the candidate selector's loss beside the drafter's
     compute_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -47,7 +48,8 @@ class Hyperparams:
         if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, numbers.Integral) or self.total_steps < 1:
             raise ValueError(f"total_steps is {self.total_steps}; train for at least one step.")
         for name, value, low in (("learning_rate", self.learning_rate, "> 0"), ("grad_clip", self.grad_clip, "> 0"),
-                                 ("weight_decay", self.weight_decay, ">= 0"), ("gamma", self.gamma, "> 0")):
+                                 ("weight_decay", self.weight_decay, ">= 0"), ("gamma", self.gamma, "> 0"),
+                                 ("selector_weight", self.selector_weight, ">= 0")):
             if value is None and name == "gamma":
                 continue
             if not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
@@ -92,7 +94,9 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mes
     update is the one-device update).
 
     metrics: loss, grad_norm, learning_rate, and per-slot accuracy [B-1] (slot k predicts
-    x_{p+k}) with the number of counted predictions per slot.
+    x_{p+k}) with the number of counted predictions per slot. A DFlash 2 drafter's loss adds
+    `selector_weight` x its candidate selector's (`loss.selector_loss_terms`), and its metrics
+    add selector_loss and selector_accuracy [B-1] (teacher-forced, among the candidates).
     """
     optimizer = make_optimizer(hp)
     schedule = learning_rate_schedule(hp)
@@ -107,21 +111,31 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mes
         def one_sequence(token_ids_L, loss_mask_L, seq_key):
             target_logits_LV, features_LF = target_logits_and_features(target, token_ids_L, cfg.target_layer_ids)
             anchors_A, valid_A = sample_anchors(seq_key, loss_mask_L, hp.max_anchors)
-            logits_ANV = block_logits(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF), anchors_A)
+            logits_ANV, hidden_AND = block_outputs(target, drafter, token_ids_L, jax.lax.stop_gradient(features_LF),
+                                                   anchors_A)
             labels_AN, counted_AN = block_targets(token_ids_L, loss_mask_L, anchors_A, valid_A, cfg.trained_block_size)
             soft_ANV = None
             if hp.soft_label_weight > 0:
                 soft_ANV = jax.lax.stop_gradient(block_soft_labels(target_logits_LV, anchors_A, cfg.trained_block_size))
-            return block_loss_terms(logits_ANV, labels_AN, counted_AN, weights_N, soft_ANV, hp.soft_label_weight)
+            terms = block_loss_terms(logits_ANV, labels_AN, counted_AN, weights_N, soft_ANV, hp.soft_label_weight)
+            if cfg.dflash2 is None:
+                return terms, terms  # no selector: its terms are unused
+            return terms, selector_loss_terms(drafter.candidate_selector, hidden_AND, logits_ANV, labels_AN, counted_AN,
+                                              token_ids_L[anchors_A], weights_N)
 
         keys = jax.random.split(key, token_ids_RL.shape[0])
-        ce, weight, correct_N, counted_N = jax.vmap(one_sequence)(token_ids_RL, loss_mask_RL, keys)
+        (ce, weight, correct_N, counted_N), selector = jax.vmap(one_sequence)(token_ids_RL, loss_mask_RL, keys)
         loss = jnp.sum(ce) / jnp.maximum(jnp.sum(weight), 1e-9)
-        return loss, (jnp.sum(correct_N, 0), jnp.sum(counted_N, 0))
+        extra = {}
+        if cfg.dflash2 is not None:
+            extra["selector_loss"] = jnp.sum(selector[0]) / jnp.maximum(jnp.sum(selector[1]), 1e-9)
+            extra["selector_accuracy"] = jnp.sum(selector[2], 0) / jnp.maximum(jnp.sum(selector[3], 0), 1.0)
+            loss = loss + hp.selector_weight * extra["selector_loss"]
+        return loss, (jnp.sum(correct_N, 0), jnp.sum(counted_N, 0), extra)
 
     def step(params, opt_state, target_state, token_ids_RL, loss_mask_RL, step_index):
         key = jax.random.fold_in(base_key, step_index)
-        (loss, (correct_N, counted_N)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (correct_N, counted_N, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, target_state, token_ids_RL, loss_mask_RL, key
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -131,6 +145,7 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mes
             learning_rate=schedule(step_index),
             accuracy=correct_N / jnp.maximum(counted_N, 1.0),
             counted=counted_N,
+            **extra,
         )
         return optax.apply_updates(params, updates), opt_state, metrics
 

@@ -95,8 +95,9 @@ def train_drafter(
                 raise NonFiniteLossError(_diverged(f"the training loss is {losses[-1]} at step {step + 1}",
                                                    manager.latest_step() or 0))
             accuracy = np.asarray(metrics["accuracy"])
+            selector = f"selector {float(metrics['selector_loss']):.3f} " if "selector_loss" in metrics else ""
             bar.set_postfix_str(
-                f"loss {losses[-1]:.3f} lr {float(metrics['learning_rate']):.2e} "
+                f"loss {losses[-1]:.3f} {selector}lr {float(metrics['learning_rate']):.2e} "
                 f"acc {' '.join(f'{a:.2f}' for a in accuracy[:8])}"
             )
             done = step + 1

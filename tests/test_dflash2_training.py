@@ -1,0 +1,148 @@
+"""Training DFlash 2 drafters in JAX, float32 on CPU: the training forward (all anchors' blocks
+in one pass) drafts what the inference path drafts at each anchor, the convolutions never
+crossing blocks; a drafter grown from a DFlash-1 drafter drafts as it did until trained; the
+selector's teacher-forced loss against a plain numpy reference; training lowers it and stays
+lossless; the CLI trains, exports and loads one."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax
+from dflash_jax import cli
+from dflash_jax.checkpoint import save_checkpoint
+from dflash_jax.config import DFlash2Config
+from dflash_jax.formats.hf_config import to_hf_config
+from dflash_jax.train.evaluate import speculative_greedy
+from dflash_jax.train.forward import block_drafts, block_logits
+from dflash_jax.train.init import with_dflash2
+from dflash_jax.train.loss import selector_loss_terms, slot_weights
+from dflash_jax.train.step import Hyperparams
+from dflash_jax.train.trainer import train_drafter
+from test_train_forward import DRAFTER, tiny_pair
+from test_train_loop import dense_greedy, greedy_dataset
+
+DFLASH2 = dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
+
+
+def tiny_dflash2_pair():
+    return tiny_pair(architectures=["DFlash2DraftModel"], dflash_config={**DRAFTER["dflash_config"], **DFLASH2})
+
+
+def test_training_forward_drafts_as_the_inference_path():
+    target, drafter = tiny_dflash2_pair()
+    ids = np.random.default_rng(0).integers(0, 63, size=24)
+    _, features = dflash_jax.target_forward(target, ids, layer_ids=drafter.cfg.target_layer_ids)
+    anchors = np.array([0, 9, 23, 2, 10])  # 9 and 10: overlapping blocks the convolutions must keep apart
+    logits = np.asarray(block_logits(target, drafter, ids, features, anchors))
+    drafts = np.asarray(block_drafts(target, drafter, ids, features, anchors))
+    for a, p in enumerate(anchors):
+        block = [int(ids[p])] + [63] * 3
+        np.testing.assert_allclose(logits[a], dflash_jax.draft_logits(target, drafter, features[:p], block),
+                                   rtol=1e-5, atol=1e-5)
+        path, _, _ = dflash_jax.draft_path(target, drafter, features[:p], block)
+        np.testing.assert_array_equal(drafts[a], np.asarray(path))
+
+
+def test_grown_drafter_drafts_as_its_dflash1_drafter_until_trained():
+    target, drafter = tiny_pair()
+    grown = with_dflash2(drafter, DFlash2Config(**DFLASH2), seed=3)
+    assert grown.cfg.dflash2 == DFlash2Config(**DFLASH2)
+    ids = np.random.default_rng(1).integers(0, 63, size=20)
+    _, features = dflash_jax.target_forward(target, ids, layer_ids=drafter.cfg.target_layer_ids)
+    anchors = np.array([1, 7, 12])
+    np.testing.assert_allclose(block_logits(target, grown, ids, features, anchors),
+                               block_logits(target, drafter, ids, features, anchors), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(block_drafts(target, grown, ids, features, anchors),
+                                  block_drafts(target, drafter, ids, features, anchors))
+    with pytest.raises(ValueError, match="DFlash 2 drafter already"):
+        with_dflash2(grown, DFlash2Config(**DFLASH2))
+
+
+def test_selector_loss_is_teacher_forced_cross_entropy_over_the_candidates():
+    target, drafter = tiny_dflash2_pair()
+    selector = drafter.candidate_selector
+    rng = np.random.default_rng(2)
+    A, N, V, D = 3, 4, 64, drafter.cfg.hidden_size
+    hidden = rng.normal(size=(A, N, D)).astype(np.float32)
+    logits = rng.normal(size=(A, N, V)).astype(np.float32)
+    labels = rng.integers(0, V, (A, N))
+    top = np.argsort(-logits, axis=-1)
+    labels[0] = top[0, np.arange(N), [0, 4, 2, 1]]  # row 0: the true tokens among the candidates
+    counted = np.ones((A, N), bool)
+    counted[2, 3] = False
+    anchors = rng.integers(0, V, A)
+    weights = np.asarray(slot_weights(N + 1, 2.0))
+
+    ce, weight, correct, seen = selector_loss_terms(selector, jnp.asarray(hidden), jnp.asarray(logits),
+                                                    jnp.asarray(labels), jnp.asarray(counted), jnp.asarray(anchors),
+                                                    jnp.asarray(weights))
+    pred, succ = np.asarray(selector.predecessor_codebook[...]), np.asarray(selector.successor_codebook[...])
+    proj = hidden @ np.asarray(selector.hidden_projection.kernel[...])
+    want_ce = want_weight = 0.0
+    want_correct, want_seen = np.zeros(N), np.zeros(N)
+    for a in range(A):
+        for n in range(N):
+            candidates = top[a, n, :5]
+            if not counted[a, n] or labels[a, n] not in candidates:
+                continue
+            previous = anchors[a] if n == 0 else labels[a, n - 1]
+            scores = logits[a, n, candidates] + (pred[previous] * proj[a, n]) @ succ[candidates].T
+            label = list(candidates).index(labels[a, n])
+            log_z = np.log(np.sum(np.exp(scores - scores.max()))) + scores.max()
+            want_ce += weights[n] * (log_z - scores[label])
+            want_weight += weights[n]
+            want_correct[n] += np.argmax(scores) == label
+            want_seen[n] += 1
+    assert want_seen.sum() >= 4  # row 0 at least
+    np.testing.assert_allclose(float(ce), want_ce, rtol=1e-5)
+    np.testing.assert_allclose(float(weight), want_weight, rtol=1e-6)
+    np.testing.assert_array_equal(correct, want_correct)
+    np.testing.assert_array_equal(seen, want_seen)
+
+
+@pytest.mark.slow
+def test_training_a_grown_drafter_lowers_the_selector_loss_and_stays_lossless(tmp_path):
+    target, dflash1 = tiny_pair()
+    drafter = with_dflash2(dflash1, DFlash2Config(**DFLASH2))
+    dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=64)
+    hp = Hyperparams(total_steps=120, learning_rate=3e-3, warmup_ratio=0.05, max_anchors=16)
+    result = train_drafter(target, drafter, dataset, hp, tmp_path / "run", batch_size=8, max_length=48,
+                           progress=False)
+    losses = result.losses
+    assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
+    trained = result.drafter
+    assert trained.cfg.dflash2 == drafter.cfg.dflash2
+    moved = [float(jnp.abs(layer.attention_conv.kernel_projection.kernel[...]).max()) for layer in trained.layers]
+    assert min(moved) > 0 and float(jnp.abs(trained.candidate_selector.hidden_projection.kernel[...]).max()) > 0
+    prompt = np.random.default_rng(1).integers(0, 63, 6).tolist()
+    tokens, accepted = speculative_greedy(target, trained, prompt, 24)
+    assert tokens == dense_greedy(target, [prompt], max_new_tokens=24).token_ids[0]
+    assert max(accepted) > 1
+
+
+@pytest.mark.slow
+def test_train_cli_grows_a_dflash2_drafter_and_exports_it(tmp_path, capsys):
+    target, dflash1 = tiny_pair()
+    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
+    save_checkpoint(dflash1, to_hf_config(dflash1.cfg), tmp_path / "dflash1")
+    greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    train = ["train-drafter", str(tmp_path / "target"), str(tmp_path / "data.npz"), str(tmp_path / "run"),
+             "--drafter", str(tmp_path / "dflash1"), "--dflash2", "--conv-kernel-size", "2", "--conv-group-size", "8",
+             "--selector-rank", "4", "--selector-top-k", "3", "--steps", "2", "--batch-size", "4",
+             "--max-length", "16", "--max-anchors", "4"]
+    bad_group = [*train]
+    bad_group[bad_group.index("--conv-group-size") + 1] = "5"
+    assert cli.main(bad_group) == 2
+    assert "does not divide the hidden size 32" in capsys.readouterr().err
+    assert cli.main(train) == 0
+    exported = tmp_path / "run" / "drafter"
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {k: config["dflash_config"][k] for k in DFLASH2} == dict(
+        conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=3)
+    loaded = dflash_jax.load_drafter(exported)
+    assert loaded.cfg.dflash2 == DFlash2Config(2, 8, 4, 3) and loaded.cfg.num_layers == dflash1.cfg.num_layers
+    assert "DFlash 2" in (exported / "README.md").read_text()
