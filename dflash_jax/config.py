@@ -132,6 +132,7 @@ class DrafterConfig:
     final_logit_softcapping: float | None = None
     quantization: WeightQuantization | None = None  # 8-bit fc and layer weights (`convert --quantize`)
     dflash2: DFlash2Config | None = None  # DFlash 2's convolutions and candidate selector (None: DFlash-1)
+    draft_vocab_size: int | None = None  # a head over this many target ids (speculators' d2t); None: the target's
 
     @property
     def kind(self) -> str:
@@ -163,7 +164,9 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 
 
 def parse_config(raw: dict[str, Any]) -> TargetConfig | DrafterConfig:
-    """Target or drafter, chosen by `architectures`."""
+    """Target or drafter, chosen by `architectures`; a drafter in the speculators format too."""
+    if "speculators_model_type" in raw:
+        return parse_drafter_config(zlab_from_speculators(raw))
     architecture = _architecture(raw)
     if architecture in DRAFTER_ARCHITECTURES:
         return parse_drafter_config(raw)
@@ -259,6 +262,40 @@ def _quantization(raw: dict[str, Any]) -> WeightQuantization | None:
         raise ConfigError(str(err)) from None
 
 
+SPECULATORS_DRAFTERS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+
+
+def zlab_from_speculators(raw: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format drafter config (what vLLM reads) as z-lab's: the draft layers' HF
+    config is `transformer_layer_config`; the target layers are `aux_hidden_state_layer_ids`,
+    z-lab's ids + 1 (they count the embedding output as hidden state 0); DFlash 2's fields sit
+    at the top level; `draft_vocab_size` below the target's means a reduced draft head."""
+    kind = raw["speculators_model_type"]
+    if kind not in SPECULATORS_DRAFTERS:
+        raise ConfigError(f"speculators_model_type {kind!r} is not a DFlash drafter; dflash-jax reads "
+                          f"{' and '.join(map(repr, SPECULATORS_DRAFTERS))} speculators checkpoints.")
+    layers, aux = raw.get("transformer_layer_config"), raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(layers, dict):
+        raise ConfigError("a speculators drafter config needs transformer_layer_config, the draft layers' HF config.")
+    if not aux or not all(isinstance(i, int) and i >= 1 for i in aux):
+        raise ConfigError(f"aux_hidden_state_layer_ids must list target hidden states from 1 up, got {aux!r}.")
+    if raw.get("mask_token_id") is None:
+        raise ConfigError("a speculators DFlash config needs mask_token_id, the token of the block's masked slots.")
+    dflash = {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": raw["mask_token_id"],
+              "block_size": raw.get("block_size", 16)}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "target_hidden_size",
+                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "sample_from_anchor"):
+        if raw.get(name) is not None:
+            dflash[name] = raw[name]
+    if raw.get("sliding_window_non_causal"):
+        dflash["causal"] = False
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != layers.get("vocab_size"):
+        dflash["draft_vocab_size"] = draft_vocab
+    config = {k: v for k, v in layers.items() if k not in ("architectures", "model_type", "auto_map", "dflash_config")}
+    return {**config, "architectures": [SPECULATORS_DRAFTERS[kind]], "dflash_config": dflash}
+
+
 def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
     architecture = _architecture(raw)
     if architecture not in DRAFTER_ARCHITECTURES:
@@ -327,7 +364,21 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
         final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
         quantization=quantization,
         dflash2=parse_dflash2(field, hidden, vocab_size) if architecture == "DFlash2DraftModel" else None,
+        draft_vocab_size=_draft_vocab_size(field("draft_vocab_size"), vocab_size, architecture),
     )
+
+
+def _draft_vocab_size(value, vocab_size: int, architecture: str) -> int | None:
+    """A reduced draft vocabulary's size, or None for the target's whole vocabulary."""
+    if value is None or value == vocab_size:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < vocab_size:
+        raise ConfigError(f"draft_vocab_size {value!r} must be a positive integer below the vocabulary ({vocab_size}).")
+    if architecture == "DFlash2DraftModel":
+        raise ConfigError(f"this DFlash 2 drafter has a reduced draft vocabulary ({value} of {vocab_size}); DFlash 2 "
+                          "keeps the full vocabulary, which its selector's codebooks index: use a full-vocabulary "
+                          "checkpoint.")
+    return value
 
 
 def parse_dflash2(field, hidden: int, vocab_size: int) -> DFlash2Config:

@@ -9,6 +9,7 @@ Llama target, and a drafter with a sliding-window layer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from flax import nnx  # noqa: E402
 
 from dflash_jax import Engine, Kernels, SamplingParams, generate, generate_autoregressive, make_mesh  # noqa: E402
 from dflash_jax.buckets import Program  # noqa: E402
-from dflash_jax.config import parse_config  # noqa: E402
+from dflash_jax.config import DFlash2Config, parse_config  # noqa: E402
 from dflash_jax.models import Drafter, Target  # noqa: E402
 from dflash_jax.placement import place_model  # noqa: E402
 
@@ -70,10 +71,18 @@ def random_params(cfg, seed: int) -> dict:
     return params
 
 
-def models(target_cfg, tp: int, drafter_kv_heads: int = 2):
+def dflash2_drafter_config():
+    """The drafter above as a DFlash 2 drafter: convolutions of 3 taps, 4 groups, a selector of
+    rank 8 over 6 candidates."""
+    cfg = drafter_config()
+    return dataclasses.replace(cfg, dflash2=DFlash2Config(conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                                          selector_top_k=6))
+
+
+def models(target_cfg, tp: int, drafter_kv_heads: int = 2, drafter_cfg=None):
     mesh = make_mesh(tp, 1) if tp > 1 else None
     target = place_model(target_cfg, jnp.float32, random_params(target_cfg, 0), mesh)
-    drafter_cfg = drafter_config(drafter_kv_heads)
+    drafter_cfg = drafter_cfg or drafter_config(drafter_kv_heads)
     drafter = place_model(drafter_cfg, jnp.float32, random_params(drafter_cfg, 1), mesh)
     return target, drafter
 
@@ -231,6 +240,22 @@ def moe() -> dict:
     return out
 
 
+def dflash2() -> dict:
+    """A DFlash 2 drafter's greedy tokens and accepted lengths at TP 1, 2 and 4 (its
+    convolutions and selector replicated, its attention split by heads), the autoregressive
+    tokens, and seeded sampled tokens at TP 1 and 4."""
+    cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
+    out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=12).token_ids}
+    for tp in (1, 2, 4):
+        target, drafter = models(cfg, tp, drafter_cfg=dflash2_drafter_config())
+        spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
+        out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
+        if tp != 2:
+            out[f"sampled/{tp}"] = generate(target, drafter, PROMPTS, max_new_tokens=10, temperature=0.9,
+                                            seed=[3, 4]).token_ids
+    return out
+
+
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
@@ -249,7 +274,7 @@ def cli(*argv: str) -> dict:
     return {"status": main(["generate", *argv])}
 
 
-CASES = {"greedy": greedy, "quantized": quantized, "moe": moe, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
+CASES = {"dflash2": dflash2, "greedy": greedy, "quantized": quantized, "moe": moe, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

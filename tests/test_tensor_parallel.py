@@ -40,6 +40,16 @@ def test_greedy_tokens_equal_at_every_tensor_parallel_size():
 
 
 @pytest.mark.slow
+def test_dflash2_drafters_decode_alike_at_every_tensor_parallel_size():
+    out = run_case("dflash2")
+    assert out["1"][0] == out["ar"]
+    for tp in ("2", "4"):
+        assert out[tp] == out["1"], tp
+    assert any(n > 1 for lengths in out["1"][1] for n in lengths)
+    assert out["sampled/4"] == out["sampled/1"]
+
+
+@pytest.mark.slow
 def test_engine_and_seeded_sampling_equal_across_tensor_parallel_sizes():
     out = run_case("engine_and_sampling")
     assert out["engine/4"] == out["engine/1"]

@@ -32,6 +32,9 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     if model.cfg.quantization is not None:
         raise ValueError("this model's weights are 8-bit; export writes float HF checkpoints only: export the "
                          "float original (or keep the converted folder, which loads as it is).")
+    if getattr(model.cfg, "draft_vocab_size", None) is not None:
+        raise ValueError("this drafter drafts over a reduced vocabulary (the speculators format's d2t), which "
+                         "z-lab's layout cannot hold; load its speculators checkpoint as it is.")
     with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
         rules = drafter_rules(model.cfg) if isinstance(model.cfg, DrafterConfig) else target_rules(model.cfg)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

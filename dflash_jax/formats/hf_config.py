@@ -59,6 +59,7 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
             output_multiplier=cfg.output_multiplier,
             final_logit_softcapping=cfg.final_logit_softcapping,
             **(dataclasses.asdict(cfg.dflash2) if cfg.dflash2 else {}),
+            **({"draft_vocab_size": cfg.draft_vocab_size} if cfg.draft_vocab_size else {}),
         )
         # z-lab's loader reads num_target_layers even when the ids are explicit.
         raw["num_target_layers"] = cfg.num_target_layers or max(cfg.target_layer_ids) + 1

@@ -90,7 +90,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
 
     for rule in rules:  # before any tensor is read: a non-float parameter means a wrong file
         stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
-        if stored is not None and not stored.startswith(("float", "bfloat")):
+        if stored is not None and not stored.startswith(("float", "bfloat")) and not rule.vocab_offsets:
             raise ConversionError(_not_float(rule.hf_name, stored))
     if dtype is None:
         first = rules[0].hf_name
@@ -115,7 +115,11 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     params: dict[str, Any] = {}
     for rule in tqdm(rules, desc="converting", unit="tensor", disable=not progress):
         abstract = get_path(abstract_params, rule.path)  # its dtype: `dtype`, or 8-bit values and float32 scales
-        array = _stored_as(rule.hf_name, source.get(aliases.get(rule.hf_name, rule.hf_name)), abstract.dtype)
+        array = source.get(aliases.get(rule.hf_name, rule.hf_name))
+        if rule.vocab_offsets:
+            array = _target_ids(rule.hf_name, array, cfg.vocab_size)
+        else:
+            array = _stored_as(rule.hf_name, array, abstract.dtype)
         if rule.scales:
             array = hf_scales(array, cfg.quantization, rule.part_shape(abstract.shape)[-1])
         array = xp.asarray(array)
@@ -163,6 +167,20 @@ def _stored_as(name: str, array, dtype):
         raise ConversionError(f"tensor {name!r} is {array.dtype}, not the int8 values its config describes; the "
                               "checkpoint is damaged.")
     return array
+
+
+def _target_ids(name: str, offsets, vocab_size: int):
+    """int32 target ids i + offsets[i] of a reduced draft vocabulary, each checked to lie in
+    the target's vocabulary and to be distinct (two draft rows for one token mean a broken map)."""
+    offsets = np.asarray(offsets)
+    if not np.issubdtype(offsets.dtype, np.integer):
+        raise ConversionError(f"tensor {name!r} is stored as {offsets.dtype}; the draft-to-target map holds integer "
+                              "offsets (the speculators format's d2t).")
+    ids = np.arange(offsets.shape[0]) + offsets.astype(np.int64)
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= vocab_size or len(np.unique(ids)) != len(ids):
+        raise ConversionError(f"tensor {name!r} maps draft tokens outside the target's {vocab_size} ids or two onto "
+                              "one; the checkpoint's d2t does not belong to this vocabulary.")
+    return ids.astype(np.int32)
 
 
 def _not_float(name: str, dtype) -> str:

@@ -26,6 +26,7 @@ class WeightRule:
     columns: tuple[int, int] | None = None  # [start, stop) of the parameter's last axis; None: all
     scales: bool = False  # a quantized weight's scale tensor (`quantization.hf_scales` lays it out)
     expert: int | None = None  # the index of the parameter's first (experts) axis it fills; None: all
+    vocab_offsets: bool = False  # integer offsets i -> i + offset[i] (speculators' d2t), stored as target ids
 
     @property
     def region(self) -> tuple:
@@ -150,6 +151,9 @@ def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:
         rules += [WeightRule(f"candidate_selector.{name}", (*selector, name), False)
                   for name in ("predecessor_codebook", "successor_codebook")]
         rules += _linear("candidate_selector.hidden_projection", (*selector, "hidden_projection"), bias=False)
+    if cfg.draft_vocab_size is not None:  # the speculators format's reduced vocabulary: its head, its ids
+        rules += _linear("lm_head", ("draft_head",), bias=False)
+        rules.append(WeightRule("d2t", ("draft_to_target",), False, vocab_offsets=True))
     return rules
 
 
@@ -160,8 +164,13 @@ def drafter_plain_name(name: str) -> str:
     return name.removesuffix(".weight") if name.endswith("_codebook.weight") else name
 
 
+# The speculators format's copies of the target's tables (the drafter reads the target's own),
+# and its target-to-draft mask (d2t says the same).
+SPECULATORS_COPIES = ("embed_tokens.weight", "lm_head.weight", "t2d")
+
+
 def drafter_ignored(cfg: DrafterConfig, name: str) -> bool:
-    return bool(IGNORED_TENSORS.search(name))
+    return bool(IGNORED_TENSORS.search(name)) or name in SPECULATORS_COPIES
 
 
 def get_path(tree: dict, path: tuple):

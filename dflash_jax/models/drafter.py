@@ -39,6 +39,10 @@ class Drafter(nnx.Module):
                                                         rngs=rngs)
         self.layers = nnx.List([layer(dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
+        if cfg.draft_vocab_size is not None:  # its own head over part of the vocabulary, and those tokens' ids
+            self.draft_head = linear(cfg.hidden_size, cfg.draft_vocab_size, ("embed", None), use_bias=False,
+                                     dtype=dtype, rngs=rngs)
+            self.draft_to_target = nnx.Param(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
 
     @property
     def dtype(self):
@@ -93,7 +97,16 @@ class Drafter(nnx.Module):
         return self.norm.add_norm(x_BD, delta_BD, kernels)[1]
 
     def logits(self, unembed: Callable[[jax.Array], jax.Array], h_BD):
-        """float32 logits through the target's head, with the optional Gemma-style scalars."""
-        logits = unembed(h_BD) * self.cfg.output_multiplier
+        """float32 logits over the target's vocabulary, with the optional Gemma-style scalars:
+        through the target's head, or through the drafter's own head over a reduced vocabulary,
+        placed at those tokens' ids with -inf elsewhere (no other token is ever drafted)."""
+        if self.cfg.draft_vocab_size is None:
+            logits = unembed(h_BD)
+        else:
+            own = dot_general(h_BD.astype(self.dtype), self.draft_head.kernel[...], (((h_BD.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+            logits = jnp.full((*h_BD.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
+            logits = logits.at[..., self.draft_to_target[...]].set(own)
+        logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap

@@ -223,6 +223,9 @@ def run_train(args: argparse.Namespace) -> None:
         if drafter.cfg.quantization is not None:
             raise ValueError(f"{args.drafter} holds 8-bit weights, which train-drafter cannot update; start from "
                              "the drafter's float checkpoint.")
+        if drafter.cfg.draft_vocab_size is not None:
+            raise ValueError(f"{args.drafter} drafts over a reduced vocabulary (d2t), which train-drafter does not "
+                             "train; start from a full-vocabulary drafter.")
         if args.dflash2 and drafter.cfg.dflash2 is None:
             drafter = with_dflash2(drafter, _dflash2_config(args, drafter.cfg), seed=args.seed)
     elif config_path.is_file():  # resuming: the saved config wins over the shape flags
