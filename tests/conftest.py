@@ -263,3 +263,23 @@ def chi_square_pvalue(counts, probs) -> float:
     assert len(expected) >= 2, "too few cells for a chi-square test"
     stat = float(((observed - expected) ** 2 / expected).sum())
     return float(jax.scipy.special.gammaincc((len(expected) - 1) / 2, stat / 2))
+
+
+def two_token_law_pvalue(target, prompt, token_ids) -> float:
+    """Chi-square p-value of sampled two-token continuations `token_ids` of `prompt` against
+    the target's own p(t1) p(t2 | t1) at temperature 1; the first tokens never drawn are one
+    more cell, with no draws in it."""
+    import jax
+
+    import dflash_jax
+
+    pairs = [tuple(tokens) for tokens in token_ids]
+    first = np.asarray(jax.nn.softmax(dflash_jax.target_forward(target, prompt)[0][-1]))
+    cells, probs = [], []
+    for t1 in sorted({t1 for t1, _ in pairs}):
+        second = np.asarray(jax.nn.softmax(dflash_jax.target_forward(target, prompt + [t1])[0][-1]))
+        cells += [(t1, t2) for t2 in range(second.size)]
+        probs += list(first[t1] * second)
+    counts = [pairs.count(cell) for cell in cells]
+    assert sum(counts) == len(pairs)
+    return chi_square_pvalue(counts + [0], probs + [max(0.0, 1 - sum(probs))])
