@@ -79,6 +79,11 @@ SMALL_DRAFTER = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, num_target_layers=4,
     dflash_config=dict(mask_token_id=1023, target_layer_ids=[1, 2], block_size=16),
 )
+SMALL_DFLASH2_DRAFTER = dict(
+    SMALL_DRAFTER, architectures=["DFlash2DraftModel"],
+    dflash_config=dict(SMALL_DRAFTER["dflash_config"], conv_kernel_size=4, conv_group_size=64, selector_rank=32,
+                       selector_top_k=8),
+)
 SMALL_MOE = dict(SMALL, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=128, num_experts=8,
                  num_experts_per_tok=2, norm_topk_prob=True)
 
@@ -100,5 +105,6 @@ MODELS = {
     "qwen3-30b-a3b": ModelShapes("Qwen3-30B-A3B shape", QWEN3_30B_A3B, QWEN3_30B_A3B_DRAFTER),
     "gpt-oss-20b": ModelShapes("gpt-oss-20b shape", GPT_OSS_20B, GPT_OSS_20B_DRAFTER),
     "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
+    "small-dflash2": ModelShapes("small CPU shapes, DFlash 2 drafter", SMALL, SMALL_DFLASH2_DRAFTER),
     "small-moe": ModelShapes("small CPU shapes, routed experts", SMALL_MOE, SMALL_DRAFTER),
 }

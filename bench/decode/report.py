@@ -91,7 +91,7 @@ def report(record: dict) -> str:
     lines += ["", "## DFlash cycle (ms)", "",
               "generate: `generate` cycle, n - m method; parts: each in a device loop (layout = "
               "`draft_layouts`, ctx K/V = `write_context_kv`, draft = `draft_block`, sample = "
-              "`sample_drafts`, verify = `target_step` on B x block rows, accept = `rejection_sample`); "
+              "`sample_drafts` or a DFlash 2 selector's walk, verify = `target_step` on B x block rows, accept = `rejection_sample`); "
               "cycle / AR uses the generate numbers where present, else the parts; floor: weights (target "
               "over B x block tokens, drafter, LM head twice) + K/V over the copy bandwidth.", "",
               "| B | ctx | attention | block | generate | cycle / AR | layout | ctx K/V | draft | sample | verify "

@@ -45,8 +45,9 @@ steps     The cycle's parts, each a jitted loop of the runtime's own functions a
           follows lengths, not values), k calls per run (device time: host dispatch out of
           it; the carried cache or an optimisation barrier keeps calls in sequence):
           ar_step = `target_step` on B x 1 tokens + `sample_target`; layout = `draft_layouts`;
-          ctx_kv = `write_context_kv`; draft = `draft_block`; sample = `sample_drafts`;
-          verify = `target_step` on B x block tokens; accept = `rejection_sample`. All greedy.
+          ctx_kv = `write_context_kv`; draft = `draft_block`; sample = `sample_drafts` (a DFlash
+          2 drafter: its selector's walk); verify = `target_step` on B x block tokens; accept =
+          `rejection_sample`. All greedy.
 engine    The Engine without a drafter: B requests, prefill, then the median wall time of one
           `Engine.step()` over --engine-steps decode steps (host scheduling and the per-step
           device round trip included: that is how the Engine runs), with asynchronous

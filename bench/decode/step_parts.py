@@ -111,6 +111,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         features = jax.random.normal(k1, (batch * block, len(dcfg.target_layer_ids) * tcfg.hidden_size),
                                      jnp.float32).astype(target.dtype)
         draft_logits = jax.random.normal(k2, (batch, num_drafts, tcfg.vocab_size), jnp.float32)
+        draft_hidden = jax.random.normal(k2, (batch, num_drafts, dcfg.hidden_size), jnp.float32).astype(drafter.dtype)
         verify_logits = jax.random.normal(k3, (batch, block, tcfg.vocab_size), jnp.float32)
         drafts = sampling.sample_drafts(draft_logits, *sampling_R, start_R, greedy=True)
         layout_args = dict(num_rejected_R=jnp.full((batch,), num_drafts, jnp.int32),
@@ -133,7 +134,10 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
                                             draft_block_size=dcfg.trained_block_size, kernels=kernels)
             return caches, logits
 
-        def sample(models, carry, logits):
+        def sample(models, carry, inputs):  # a DFlash 2 drafter's selector walks the block instead
+            logits, hidden = inputs
+            if models[1].cfg.dflash2 is not None:
+                return carry, models[1].candidate_selector.walk(hidden, logits, tokens[:, 0])[0]
             return carry, sampling.sample_drafts(logits, *sampling_R, start_R, greedy=True)
 
         def accept(models, carry, inputs, num_drafts=num_drafts):
@@ -146,7 +150,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
             "layout": timed(layout, (), verify_batch, small),
             "ctx_kv": timed(ctx_kv, draft_caches(), (layouts, features), small),
             "draft": timed(draft, draft_caches(), layouts, big),
-            "sample": timed(sample, (), draft_logits, small),
+            "sample": timed(sample, (), (draft_logits, draft_hidden), small),
             "verify": timed(verify, target_cache(), verify_batch, big),
             "accept": timed(accept, (), (verify_logits, drafts), small),
         }
