@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.gated_delta_rule import RecurrentInputs, recur_from_zero
 from pallas_kernels.attention_mask import position_mask
 
 
@@ -39,10 +40,12 @@ def dense_attention(q_TUH, k_LKH, v_LKH, mask_TL, sinks_U=None):
 def target_attend(cfg, positions_T):
     """`attend(layer, heads)` for a target's dense forward over `positions_T` (queries and keys
     alike): each layer's rule (`cfg.layer_attention`: causal, windowed where it says) and its
-    attention sinks, if any."""
+    attention sinks, if any; a gated-delta-net layer's rule from a zero state."""
     masks = {}
 
     def attend(layer, heads):
+        if isinstance(heads, RecurrentInputs):  # a gated-delta-net layer over the whole sequence
+            return recur_from_zero(heads)
         rule = cfg.layer_attention(layer)
         if rule not in masks:
             masks[rule] = position_mask(positions_T, positions_T, rule)

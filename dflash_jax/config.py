@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.config_types import (
-    ConfigError, DFlash2Config, DrafterConfig, ExpertsConfig, RopeConfig, TargetConfig,
+    ConfigError, DFlash2Config, DrafterConfig, ExpertsConfig, GatedDeltaNetConfig, RopeConfig, TargetConfig,
 )
 from dflash_jax.quantization import QuantizationError, WeightQuantization, parse_quantization
 from pallas_kernels.attention_mask import LayerAttention
 
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM")
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
+                        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -61,7 +62,11 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             f"unsupported target architecture {architecture!r}; supported targets are "
             f"{', '.join(TARGET_ARCHITECTURES)}."
         )
-    is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if architecture == "Qwen3_5ForConditionalGeneration":  # a vision-language checkpoint: its text model
+        raw = {**raw.get("text_config", {}), "architectures": [architecture],
+               "tie_word_embeddings": raw.get("tie_word_embeddings", raw.get("text_config", {}).get("tie_word_embeddings"))}
+    qwen3_5 = architecture in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or qwen3_5
     if is_qwen3 and raw.get("use_sliding_window"):
         raise ConfigError(
             "Qwen3 targets with use_sliding_window=true are not supported; "
@@ -97,7 +102,29 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         experts=experts,
         attention_layers=_target_layer_attention(raw, num_layers) if gpt_oss else (),
         attention_sinks=gpt_oss,
+        linear_attention=_gated_delta_net(raw, num_layers) if qwen3_5 else None,
+        attention_output_gate=qwen3_5,
+        zero_centered_norms=qwen3_5,
     )
+
+
+def _gated_delta_net(raw: dict[str, Any], num_layers: int) -> GatedDeltaNetConfig:
+    """Qwen3.5's `layer_types` (linear_attention / full_attention; by default every 4th layer
+    full) and its linear-attention shapes."""
+    layer_types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % raw.get("full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "linear_attention"}:
+        raise ConfigError(f"layer_types must give linear_attention or full_attention for each of the {num_layers} "
+                          f"layers, got {layer_types!r}.")
+    shapes = {name: raw.get(name, default) for name, default in (
+        ("linear_conv_kernel_dim", 4), ("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
+        ("linear_key_head_dim", 128), ("linear_value_head_dim", 128))}
+    if shapes["linear_num_value_heads"] % shapes["linear_num_key_heads"]:
+        raise ConfigError(f"linear_num_value_heads {shapes['linear_num_value_heads']} is not a multiple of "
+                          f"linear_num_key_heads {shapes['linear_num_key_heads']}; the checkpoint's config is damaged.")
+    return GatedDeltaNetConfig(*shapes.values(), layers=tuple(i for i, kind in enumerate(layer_types)
+                                                              if kind == "linear_attention"))
 
 
 def _target_layer_attention(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
@@ -330,6 +357,10 @@ def parse_rope(raw: dict[str, Any], *, default_theta: float) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.pop("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = merged.pop("rope_type", merged.pop("type", "default"))
+    for name in ("mrope_section", "mrope_interleaved"):  # text positions are equal on all three axes: plain RoPE
+        merged.pop(name, None)
+    if raw.get("partial_rotary_factor") is not None:
+        merged.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
             f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."

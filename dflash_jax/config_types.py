@@ -48,6 +48,25 @@ class ExpertsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Qwen3.5's linear-attention layers: q, k, v through a depthwise causal convolution of
+    `conv_kernel_size` taps, then the gated delta rule over a [value heads, key dim, value
+    dim] state per request; `num_key_heads` q/k heads shared by `num_value_heads` v heads."""
+
+    conv_kernel_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    layers: tuple[int, ...]  # the decoder layers that are gated-delta-net layers (the rest attention)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: [q | k | v]."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     architecture: str
     vocab_size: int
@@ -68,6 +87,9 @@ class TargetConfig:
     experts: ExpertsConfig | None = None  # routed experts in some layers (None: dense feed-forward only)
     attention_layers: tuple[LayerAttention, ...] = ()  # per layer (gpt-oss's windows); (): all causal
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    linear_attention: GatedDeltaNetConfig | None = None  # gated-delta-net layers (Qwen3.5); None: all attention
+    attention_output_gate: bool = False  # attention's output times sigmoid of a gate projection (Qwen3.5)
+    zero_centered_norms: bool = False  # checkpoints store norm weights w applied as 1 + w (Qwen3.5); held as 1 + w
 
     @property
     def kind(self) -> str:
@@ -76,6 +98,10 @@ class TargetConfig:
     def layer_attention(self, layer: int) -> LayerAttention:
         """How layer `layer` attends: causal, with its window where it has one."""
         return self.attention_layers[layer] if self.attention_layers else CAUSAL
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """Whether layer `layer` is a gated-delta-net layer rather than an attention layer."""
+        return self.linear_attention is not None and layer in self.linear_attention.layers
 
     def layer_experts(self, layer: int) -> ExpertsConfig | None:
         """Layer `layer`'s routed experts, or None where its feed-forward is dense."""

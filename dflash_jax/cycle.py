@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from dflash_jax import sampling
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
+from dflash_jax.recurrent_state import RecurrentState, advanced_rows
 from dflash_jax.steps import TargetBatch, block_batch, draft_step, target_step
 
 
@@ -61,7 +62,7 @@ class CycleConfig:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["target_cache", "draft_caches", "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S",
-                 "output_counts_SV", "prompt_seen_SV"],
+                 "output_counts_SV", "prompt_seen_SV", "recurrent"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,7 @@ class DecodeState:
     # and which tokens the prompt holds. Kept only by steps that penalize.
     output_counts_SV: jax.Array | None = None  # int32 [S, V]
     prompt_seen_SV: jax.Array | None = None  # bool [S, V]
+    recurrent: RecurrentState | None = None  # a hybrid target's gated-delta-net states, per slot
 
     @classmethod
     def zeros(cls, models, cfg: CycleConfig, *, num_slots: int, page_size: int, target_pages: int,
@@ -102,6 +104,7 @@ class DecodeState:
             anchor_pos_S=jnp.zeros((num_slots,), jnp.int32),
             output_counts_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), jnp.int32),
             prompt_seen_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), bool),
+            recurrent=RecurrentState.zeros(target.cfg, num_slots, target.dtype),
         )
 
 
@@ -275,9 +278,7 @@ def prefill_token_counts(state: DecodeState, batch: CycleBatch):
     target, p = batch.target, batch.penalties
     counts_RV = slot_rows(state.output_counts_SV, batch.slots_R)
     seen_RV = slot_rows(state.prompt_seen_SV, batch.slots_R)
-    starts_R = target.query_start_loc[:-1]
-    has_tokens_R = target.query_start_loc[1:] > starts_R
-    fresh_R = ~batch.verifying_R & has_tokens_R & (target.positions[starts_R] == 0)
+    fresh_R = fresh_rows(batch)
     counts_RV = jnp.where(fresh_R[:, None], 0, counts_RV)
     seen_RV = seen_RV & ~fresh_R[:, None]
     real_T = jnp.arange(target.token_ids.shape[0]) < target.query_start_loc[-1]
@@ -286,6 +287,33 @@ def prefill_token_counts(state: DecodeState, batch: CycleBatch):
     counts_RV = counts_RV.at[target.rows, target.token_ids].add((prefill_T & generated_T).astype(jnp.int32))
     seen_RV = seen_RV.at[target.rows, target.token_ids].max(prefill_T & ~generated_T)
     return counts_RV, seen_RV
+
+
+def fresh_rows(batch: CycleBatch):
+    """bool [R]: the row is a prefill chunk from position 0, a request (re)starting in its slot."""
+    target = batch.target
+    starts_R = target.query_start_loc[:-1]
+    has_tokens_R = target.query_start_loc[1:] > starts_R
+    return ~batch.verifying_R & has_tokens_R & (target.positions[starts_R] == 0)
+
+
+def recurrent_rows(state: DecodeState, batch: CycleBatch) -> RecurrentState | None:
+    """Each row's gated-delta-net states before the batch: its slot's, zero for a fresh row."""
+    if state.recurrent is None:
+        return None
+    fresh_R = fresh_rows(batch)
+    return jax.tree.map(lambda a: jnp.where(fresh_R.reshape(-1, *(1,) * (a.ndim - 1)), 0, slot_rows(a, batch.slots_R))
+                        .astype(a.dtype), state.recurrent)
+
+
+def kept_tokens(batch: CycleBatch, count_R):
+    """bool [T]: the batch tokens now in the caches, a prefill chunk's all, a verify row's
+    anchor and committed drafts (its first `count_R`)."""
+    target = batch.target
+    t_T = jnp.arange(target.token_ids.shape[0])
+    real_T = t_T < target.query_start_loc[-1]
+    index_T = t_T - target.query_start_loc[target.rows]
+    return real_T & (~batch.verifying_R[target.rows] | (index_T < count_R[target.rows]))
 
 
 def penalty_counts(counts_RV, seen_RV, inputs_RQ, verifying_R):
@@ -309,8 +337,9 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     num_rows, num_query = batch.verify_rows_RQ.shape
     rows_R = jnp.arange(num_rows)
     p = batch.sampling
-    target_cache, logits, features = target_step(target, state.target_cache, batch.target, cfg.layer_ids,
-                                                 cfg.kernels)
+    rows_before = recurrent_rows(state, batch)
+    target_cache, logits, features, layer_inputs = target_step(target, state.target_cache, batch.target,
+                                                               cfg.layer_ids, cfg.kernels, rows_before)
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
     if cfg.penalizes:
         counts_RV, seen_RV = prefill_token_counts(state, batch)
@@ -340,6 +369,11 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         count_R, stopped_R = commit_counts(tokens_RQ, accepted_R, batch.remaining_R, batch.stop_ids_RE)
         logprobs = sampling.token_logprobs(raw_logits_RQV, tokens_RQ) if cfg.logprobs else None
     samples_R = batch.remaining_R > 0
+    if rows_before is not None:  # the states after the kept tokens only: rejected drafts leave no trace
+        rows_after = advanced_rows(rows_before, layer_inputs, batch.target.rows, batch.target.query_start_loc[:-1],
+                                   kept_tokens(batch, count_R))
+        state = dataclasses.replace(state, recurrent=jax.tree.map(
+            lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
     if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts
         cached_RQ = batch.verifying_R[:, None] & (jnp.arange(num_query) < count_R[:, None])
         counts_RV = counts_RV.at[rows_R[:, None], inputs_RQ].add(cached_RQ.astype(jnp.int32))

@@ -112,9 +112,8 @@ class Engine:
         verify cycles a step runs at most when every request decodes (None: the platform's
         `default_cycles_per_step`); more cycles spread the host's work, fewer admit new
         requests sooner. `prefix_caching`: a request starts from the cached KV pages (the
-        target's and the drafter's) of the longest prefix of its tokens that an earlier
-        request computed (`prefix_cache`); the drafter's windowed layers then keep whole
-        contexts, as its other layers do."""
+        target's and the drafter's) of the longest prefix of its tokens that an earlier request
+        computed (`prefix_cache`); the drafter's windowed layers then keep whole contexts too."""
         target, drafter = on_one_mesh((target, drafter), mesh)
         self.cycles_per_step = (default_cycles_per_step(target.mesh) if cycles_per_step is None
                                 else check_count("cycles_per_step", cycles_per_step))
@@ -157,11 +156,12 @@ class Engine:
         self.pages_per_req = -(-(self.max_model_len + lookahead) // page_size)
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
-        self.prefix_caching = prefix_caching
+        # a hybrid target's recurrent state after a prefix is not cached: its requests start afresh
+        self.prefix_caching = prefix_caching and target.cfg.linear_attention is None
         self._groups = DraftCacheGroups.for_drafter(drafter.cfg) if drafter else None
         # Windowed drafter groups have pages of their own, given back as the window passes,
         # unless their context is cached with the target's pages.
-        windows = self._groups.windows[1:] if self._groups and not prefix_caching else ()
+        windows = self._groups.windows[1:] if self._groups and not self.prefix_caching else ()
         if num_pages is None:
             num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes, len(windows))
         # Windowed groups hold at most a window plus two steps (the one in flight and the
@@ -174,7 +174,7 @@ class Engine:
         self.scheduler = Scheduler(
             max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_drafts=self.num_drafts,
             lookahead=lookahead, page_size=page_size,
-            allocator=PrefixCache(num_pages) if prefix_caching else PageAllocator(num_pages),
+            allocator=PrefixCache(num_pages) if self.prefix_caching else PageAllocator(num_pages),
             window_allocators=window_allocators, windows=windows, cycles_per_step=self.cycles_per_step,
         )
         self._target, self._drafter = target, drafter

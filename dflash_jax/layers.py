@@ -136,11 +136,14 @@ class MLP(nnx.Module):
 
 @functools.lru_cache(maxsize=None)
 def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim // 2] and the cos/sin scale, for every supported type.
+    """Inverse frequencies [rotary dims // 2] and the cos/sin scale, for every supported type.
 
     Computed once on the host in float32, the way HF does, so the table is bit-identical
-    across backends; the scale is 1 except for YaRN's attention factor.
+    across backends; the scale is 1 except for YaRN's attention factor. With a
+    `partial_rotary_factor` (Qwen3.5) only that share of each head's dimensions rotates: the
+    table is that much narrower (`rotate` passes the other dimensions through).
     """
+    head_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = (1.0 / np.power(np.float32(rope.theta), exponents)).astype(np.float32)
     if rope.rope_type == "linear":
@@ -222,6 +225,17 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
         if sinks:  # gpt-oss: a learned logit per query head in each softmax's denominator
             self.sinks = nnx.Param(jnp.zeros((n,), dtype), out_sharding=("q_heads",), eager_sharding=False)
+        if getattr(cfg, "attention_output_gate", False):  # Qwen3.5: the output times sigmoid(gate), per channel
+            self.gate_proj = linear(d, n * h, ("embed", "q_heads"), use_bias=bias, dtype=dtype, rngs=rngs,
+                                    quantization=quantization)
+
+    def output(self, a_TUH, h_TD, kernels: Kernels = REFERENCE):
+        """`o_proj` of the attention output [T, U, H] (gated by sigmoid(gate_proj(h)) where the
+        model has an output gate; `h_TD` the layer's normed input)."""
+        out_TF = a_TUH.reshape(a_TUH.shape[0], -1)
+        if hasattr(self, "gate_proj"):
+            out_TF = out_TF * jax.nn.sigmoid(apply_linear(self.gate_proj, h_TD, kernels)).astype(out_TF.dtype)
+        return apply_linear(self.o_proj, out_TF, kernels)
 
     def sinks_U(self):
         """The attention sinks [U] (this shard's heads' on a mesh), or None."""
@@ -315,8 +329,7 @@ class DecoderLayer(nnx.Module):
         next layer's first, or the model's final norm): one kernel with that norm on a GPU."""
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
         a_TUH = attend(self.self_attn.project(h_TD, positions_T, kernels))
-        x_TD, h_TD = self.post_attention_layernorm.add_norm(
-            x_TD, apply_linear(self.self_attn.o_proj, a_TUH.reshape(x_TD.shape[0], -1), kernels), kernels)
+        x_TD, h_TD = self.post_attention_layernorm.add_norm(x_TD, self.self_attn.output(a_TUH, h_TD, kernels), kernels)
         return x_TD, self.mlp(h_TD, kernels)
 
 

@@ -17,10 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.gated_delta_rule import RecurrentInputs
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache, slots_of
 from dflash_jax.layers import ProjectedHeads
 from dflash_jax.models import Drafter, Target
+from dflash_jax.recurrent_state import RecurrentState, ragged_rule
 from dflash_jax.sharding import per_shard
 from pallas_kernels.dflash_layout import DFlashLayout, prepare_dflash_inputs
 
@@ -48,13 +50,22 @@ class TargetBatch:
 
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
-                kernels: Kernels):
-    """(cache, logits [R * Q, V] float32, features [T, F]) for one batch, with
-    the (resolved) `kernels`."""
+                kernels: Kernels, recurrent_rows: RecurrentState | None = None):
+    """(cache, logits [R * Q, V] float32, features [T, F], the gated-delta-net layers' inputs)
+    for one batch, with the (resolved) `kernels`. A hybrid target's gated-delta-net layers
+    run from `recurrent_rows`, each batch row's state before the batch; the state they leave
+    is the caller's to commit (`recurrent_state.advanced_rows` over the tokens kept)."""
     seq_lens_R = _seq_lens(batch)
+    layer_inputs = []
 
     def attend(layer, heads):
         nonlocal cache
+        if isinstance(heads, RecurrentInputs):
+            j = len(layer_inputs)
+            layer_inputs.append(heads)
+            real_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
+            return ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
+                               batch.query_start_loc[:-1], real_T)[0]
         out_TUH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
                                       page_table=batch.page_table, seq_lens_R=seq_lens_R,
                                       rule=target.cfg.layer_attention(layer))
@@ -63,7 +74,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     with jax.named_scope("target"):
         hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids, kernels=kernels)
         logits = target.unembed(hidden_TD[batch.logits_rows])
-    return cache, logits, features_TF
+    return cache, logits, features_TF, tuple(layer_inputs)
 
 
 def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, kernels: Kernels, *, slots_T,

@@ -63,13 +63,14 @@ def finish_heads_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps,
 
 
 def rotate(x_TUH, cos_TZ, sin_TZ):
-    """Neox-style RoPE of `x_TUH` by a [T, Z] table: halves (a, b) -> (a cos - b sin,
-    b cos + a sin), in float32, cast back."""
-    half = x_TUH.shape[-1] // 2
+    """Neox-style RoPE of `x_TUH` by a [T, Z] table: the first 2Z dimensions as halves (a, b)
+    -> (a cos - b sin, b cos + a sin), in float32, cast back; dimensions past 2Z (partial
+    rotary) pass through."""
+    half = cos_TZ.shape[-1]
     x = x_TUH.astype(jnp.float32)
-    a, b = x[..., :half], x[..., half:]
+    a, b, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
     cos, sin = cos_TZ[:, None, :], sin_TZ[:, None, :]
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x_TUH.dtype)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1).astype(x_TUH.dtype)
 
 
 def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim, block_f, eps, qk_norm, sizes):
@@ -126,6 +127,9 @@ def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, sl
                          f"{v_cache_XKH.shape}: pass [T, U + 2K, H] heads with an even H and equal [X, K, H] caches.")
     if (q_weight_H is None) != (k_weight_H is None):
         raise ValueError("pass both q/k norm weights (Qwen3) or neither (Llama).")
+    if 2 * cos_TZ.shape[-1] != head_dim:
+        raise ValueError(f"the kernel rotates whole heads; a table of {cos_TZ.shape[-1]} angles for heads of {head_dim} "
+                         "(partial rotary) needs finish_heads_reference.")
     qk_norm = q_weight_H is not None
     eps = float(eps)  # a Python number: a traced one would be a constant the kernel captures
     if not interpret:

@@ -96,7 +96,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
                      for layers in groups.layers)
 
     def ar_step(models, cache, batch_):
-        cache, logits, _ = target_step(models[0], cache, batch_, (), kernels)
+        cache, logits, *_ = target_step(models[0], cache, batch_, (), kernels)
         return cache, sampling.sample_target(logits, *sampling_R, start_R, greedy=True)
 
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (batch, max(opts.block_sizes))), jnp.int32)
@@ -120,7 +120,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         layouts = draft_layouts(drafter, page_sizes, tables, verify_batch, **layout_args)
 
         def verify(models, cache, batch_):
-            cache, logits, feats = target_step(models[0], cache, batch_, dcfg.target_layer_ids, kernels)
+            cache, logits, feats, _ = target_step(models[0], cache, batch_, dcfg.target_layer_ids, kernels)
             return cache, (logits, feats)
 
         def layout(models, carry, batch_, layout_args=layout_args):

@@ -6,9 +6,11 @@ No torch needed: safetensors writes the JAX arrays (bf16 included) directly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 from flax import nnx
 from safetensors.flax import save_file
 
@@ -35,14 +37,28 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     if getattr(model.cfg, "draft_vocab_size", None) is not None:
         raise ValueError("this drafter drafts over a reduced vocabulary (the speculators format's d2t), which "
                          "z-lab's layout cannot hold; load its speculators checkpoint as it is.")
+    cfg = model.cfg
+    if getattr(cfg, "architecture", None) == "Qwen3_5ForConditionalGeneration":  # its text model, as a text model
+        cfg = dataclasses.replace(cfg, architecture="Qwen3_5ForCausalLM")
     with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
-        rules = drafter_rules(model.cfg) if isinstance(model.cfg, DrafterConfig) else target_rules(model.cfg)
+        rules = drafter_rules(cfg) if isinstance(cfg, DrafterConfig) else target_rules(cfg)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         tensors = {}
         for rule in rules:
             array = rule.part(get_path(params, rule.path))
             array = array.T if rule.transpose else array
-            tensors[rule.hf_name] = (array if dtype is None else array.astype(dtype))
+            if rule.plus_one:
+                array = (np.asarray(array, np.float32) - 1).astype(array.dtype)
+            array = array if dtype is None else array.astype(dtype)
+            if rule.head_part is not None:  # one part of a per-head interleaved HF tensor: fill its rows
+                parts, index, head_dim = rule.head_part
+                whole = tensors.get(rule.hf_name)
+                if whole is None:
+                    whole = np.zeros((array.shape[0] * parts, *array.shape[1:]), np.asarray(array).dtype)
+                whole.reshape(-1, parts, head_dim, *array.shape[1:])[:, index] = np.asarray(array).reshape(
+                    -1, head_dim, *array.shape[1:])
+                array = whole
+            tensors[rule.hf_name] = array
         folder = staged.path
         folder.mkdir()
         shards = _shards(tensors, max_shard_bytes)
@@ -55,7 +71,7 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                      "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (folder / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
+        (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
         for name, text in (extra_files or {}).items():
             (folder / name).write_text(text)
         staged.commit()

@@ -41,6 +41,13 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
                        swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
                        layer_types=["sliding_attention" if layer.window else "full_attention"
                                     for layer in cfg.attention_layers], sliding_window=max(windows, default=None))
+        elif cfg.linear_attention is not None:  # Qwen3.5
+            la = cfg.linear_attention
+            raw.update(model_type="qwen3_5_text", layer_types=[
+                "linear_attention" if cfg.is_linear_attention(i) else "full_attention" for i in range(cfg.num_layers)],
+                linear_conv_kernel_dim=la.conv_kernel_size, linear_num_key_heads=la.num_key_heads,
+                linear_num_value_heads=la.num_value_heads, linear_key_head_dim=la.key_head_dim,
+                linear_value_head_dim=la.value_head_dim)
         elif cfg.experts is not None:
             moe = cfg.experts
             raw.update(model_type="qwen3_moe", num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,

@@ -105,9 +105,10 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             want_hf = hf_scale_shape(cfg.quantization, *weight)
             if math.prod(shapes[rule.hf_name]) == 1:
                 continue
-        if tuple(shapes[rule.hf_name]) != want_hf:
+        if rule.hf_part_shape(tuple(shapes[rule.hf_name])) != want_hf:
             raise ConversionError(
-                f"shape mismatch for {rule.hf_name!r}: expected {list(want_hf)}, "
+                f"shape mismatch for {rule.hf_name!r}: expected {list(want_hf)}"
+                f"{' per half (its rows are [q | gate] per head)' if rule.head_part else ''}, "
                 f"got {list(shapes[rule.hf_name])}."
             )
 
@@ -119,7 +120,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         if rule.vocab_offsets:
             array = _target_ids(rule.hf_name, array, cfg.vocab_size)
         else:
-            array = _stored_as(rule.hf_name, array, abstract.dtype)
+            array = rule.hf_part(_stored_as(rule.hf_name, array, abstract.dtype))
+        if rule.plus_one:  # a zero-centred norm weight, in float32 before the cast
+            array = np.asarray(array, np.float32) + 1
         if rule.scales:
             array = hf_scales(array, cfg.quantization, rule.part_shape(abstract.shape)[-1])
         array = xp.asarray(array)

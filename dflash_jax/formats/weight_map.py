@@ -27,6 +27,19 @@ class WeightRule:
     scales: bool = False  # a quantized weight's scale tensor (`quantization.hf_scales` lays it out)
     expert: int | None = None  # the index of the parameter's first (experts) axis it fills; None: all
     vocab_offsets: bool = False  # integer offsets i -> i + offset[i] (speculators' d2t), stored as target ids
+    plus_one: bool = False  # a zero-centred norm's weight w (Qwen3.5), held as 1 + w
+    head_part: tuple[int, int, int] | None = None  # (parts, index, head dim): the HF rows are per head
+    # [part 0 | part 1 | ...] of head dim rows each, and this rule takes part `index` (Qwen3.5's q_proj: [q | gate])
+
+    def hf_part(self, array):
+        """This rule's piece of the HF tensor (all of it unless `head_part`)."""
+        if self.head_part is None:
+            return array
+        parts, index, head_dim = self.head_part
+        return array.reshape(-1, parts, head_dim, *array.shape[1:])[:, index].reshape(-1, *array.shape[1:])
+
+    def hf_part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape if self.head_part is None else (shape[0] // self.head_part[0], *shape[1:])
 
     @property
     def region(self) -> tuple:
@@ -57,26 +70,36 @@ def _linear(hf_prefix: str, path: tuple, *, bias: bool, columns: tuple[int, int]
     return rules
 
 
-def _norm(hf_prefix: str, path: tuple) -> WeightRule:
-    return WeightRule(f"{hf_prefix}.weight", (*path, "weight"), False)
+def _norm(hf_prefix: str, path: tuple, plus_one: bool = False) -> WeightRule:
+    return WeightRule(f"{hf_prefix}.weight", (*path, "weight"), False, plus_one=plus_one)
 
 
 def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
                    experts: ExpertsConfig | None = None, sinks: bool = False):
+    zero_centered = getattr(cfg, "zero_centered_norms", False)
     rules = [
-        _norm(f"{hf}.input_layernorm", (*path, "input_layernorm")),
-        _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm")),
+        _norm(f"{hf}.input_layernorm", (*path, "input_layernorm"), zero_centered),
+        _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm"), zero_centered),
     ]
     linear = functools.partial(_linear, scale_name=cfg.quantization and cfg.quantization.hf_scale)
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
-    for proj, start in starts.items():
-        width = q_width if proj == "q_proj" else kv_width
-        rules += linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"), bias=cfg.attention_bias,
-                        columns=(start, start + width))
-    rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
-    if qk_norm:
-        rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n)) for n in ("q_norm", "k_norm")]
+    if getattr(cfg, "is_linear_attention", lambda _: False)(int(path[-1])):
+        rules += _gated_delta_net(f"{hf}.linear_attn", (*path, "linear_attn"))
+    else:
+        gated = getattr(cfg, "attention_output_gate", False)
+        starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
+        for proj, start in starts.items():
+            width = q_width if proj == "q_proj" else kv_width
+            rules += [dataclasses.replace(rule, head_part=(2, 0, cfg.head_dim) if gated and proj == "q_proj" else None)
+                      for rule in linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"),
+                                         bias=cfg.attention_bias, columns=(start, start + width))]
+        if gated:  # Qwen3.5's q_proj holds [q | gate] per head
+            rules += [dataclasses.replace(rule, head_part=(2, 1, cfg.head_dim))
+                      for rule in linear(f"{hf}.self_attn.q_proj", (*path, "self_attn", "gate_proj"),
+                                         bias=cfg.attention_bias)]
+        rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
+        if qk_norm:
+            rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n), zero_centered) for n in ("q_norm", "k_norm")]
     if sinks:
         rules.append(WeightRule(f"{hf}.self_attn.sinks", (*path, "self_attn", "sinks"), False))
     if experts is not None and experts.interleaved:
@@ -89,6 +112,16 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
                         columns=(start, start + inter))
     rules += linear(f"{hf}.mlp.down_proj", (*path, "mlp", "down_proj"), bias=mlp_bias)
     return rules
+
+
+def _gated_delta_net(hf: str, path: tuple) -> list[WeightRule]:
+    """Qwen3.5's linear-attention mixer, tensor for tensor."""
+    rules = [rule for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+             for rule in _linear(f"{hf}.{name}", (*path, name), bias=False)]
+    return rules + [WeightRule(f"{hf}.conv1d.weight", (*path, "conv1d_weight"), False),
+                    WeightRule(f"{hf}.dt_bias", (*path, "dt_bias"), False),
+                    WeightRule(f"{hf}.A_log", (*path, "A_log"), False),
+                    _norm(f"{hf}.norm", (*path, "norm"))]
 
 
 def _routed_experts(hf: str, path: tuple, experts: ExpertsConfig) -> list[WeightRule]:
@@ -117,13 +150,15 @@ def _gpt_oss_experts(hf: str, path: tuple) -> list[WeightRule]:
 
 
 def target_rules(cfg: TargetConfig) -> list[WeightRule]:
-    """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `GptOssForCausalLM` / `LlamaForCausalLM`
-    names (`model.` prefix, `lm_head` unless tied)."""
-    rules = [WeightRule("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
+    """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `GptOssForCausalLM` / `LlamaForCausalLM` /
+    `Qwen3_5ForCausalLM` names (`model.` prefix, `lm_head` unless tied), and a Qwen3.5
+    vision-language checkpoint's text model (`model.language_model.`)."""
+    model = "model.language_model" if cfg.architecture == "Qwen3_5ForConditionalGeneration" else "model"
+    rules = [WeightRule(f"{model}.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_layers):
-        rules += _decoder_layer(f"model.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm,
+        rules += _decoder_layer(f"{model}.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm,
                                 experts=cfg.layer_experts(i), sinks=cfg.attention_sinks)
-    rules.append(_norm("model.norm", ("norm",)))
+    rules.append(_norm(f"{model}.norm", ("norm",), cfg.zero_centered_norms))
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)
     return rules
@@ -133,7 +168,12 @@ def target_ignored(cfg: TargetConfig, name: str) -> bool:
     """A tied model may still ship `lm_head.weight` (a copy of the embedding): not used; nor
     are an 8-bit checkpoint's activation scales (its products run on unquantized activations)."""
     return (bool(IGNORED_TENSORS.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
-            or (cfg.quantization is not None and name.endswith(".input_scale")))
+            or (cfg.quantization is not None and name.endswith(".input_scale"))
+            or (cfg.linear_attention is not None and name.startswith(QWEN3_5_UNUSED)))
+
+
+# Qwen3.5 checkpoints' vision tower and multi-token-prediction head: not part of the text model.
+QWEN3_5_UNUSED = ("model.visual.", "mtp.")
 
 
 def drafter_rules(cfg: DrafterConfig) -> list[WeightRule]:

@@ -1,12 +1,13 @@
 """The target model: Qwen3 (q/k norm), Qwen3-MoE (routed experts in some layers), gpt-oss
-(attention sinks, windowed layers, routed experts) and Llama (llama3 RoPE, tied embeddings)
-in Flax NNX.
+(attention sinks, windowed layers, routed experts), Llama (llama3 RoPE, tied embeddings) and
+Qwen3.5 (gated-delta-net layers among gated attention layers with partial RoPE) in Flax NNX.
 
 One class covers them all: they differ in the per-head q/k RMSNorm, the attention sinks, each
 layer's attention rule and feed-forward (`TargetConfig.layer_attention`, `layer_experts`: dense
 or routed experts) and config values.
 Attention is delegated to an `attend(layer_idx, heads)` callable (`layers.AttendFn`) so that
-the dense path and the paged runtime share these layers; a layer never sees a cache.
+the dense path and the paged runtime share these layers; a layer never sees a cache. A
+gated-delta-net layer hands the same callable its `RecurrentInputs` and never sees a state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.experts import RoutedExperts
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear, logical
+from dflash_jax.models.gated_delta_net import GatedDeltaNetLayer
 from dflash_jax.sharding import replicated
 
 
@@ -47,11 +49,13 @@ class Target(nnx.Module):
             experts = cfg.layer_experts(layer)
             return None if experts is None else RoutedExperts(cfg.hidden_size, experts, dtype=dtype, rngs=rngs)
 
-        self.layers = nnx.List([
-            DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, mlp=feed_forward(i),
-                         sinks=cfg.attention_sinks)
-            for i in range(cfg.num_layers)
-        ])
+        def layer(i: int):
+            if cfg.is_linear_attention(i):
+                return GatedDeltaNetLayer(cfg, dtype=dtype, rngs=rngs)
+            return DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
+                                mlp=feed_forward(i), sinks=cfg.attention_sinks)
+
+        self.layers = nnx.List([layer(i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=dtype, rngs=rngs)

@@ -1,0 +1,163 @@
+"""Qwen3.5 hybrid targets (transformers' Qwen3_5ForCausalLM as the oracle), float32 on CPU:
+three gated-delta-net layers and one gated full-attention layer with partial RoPE and
+zero-centred norms, converted with the CLI; logits and tapped features against transformers;
+the gated delta rule against transformers' own recurrent and chunked forms; export round
+trip."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax
+from conftest import rel_err, save_hf
+from dflash_jax.cli import main
+from dflash_jax.config import ConfigError, parse_config
+
+SHAPES = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
+              rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def make_qwen3_5(seed: int = 0, **overrides):
+    """A tiny random transformers Qwen3.5 text model in float32; every weight, the zero-centred
+    norms, decays and biases included, drawn so that a misplaced one shows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**SHAPES, **overrides}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen3_5")
+    hf = make_qwen3_5()
+    folder = save_hf(hf, tmp / "hf")
+    assert main(["convert", folder, str(tmp / "converted")]) == 0
+    return hf, dflash_jax.load_target(tmp / "converted"), tmp
+
+
+def hf_forward(hf, ids):
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
+
+
+def test_config_reads_the_hybrid_layout(converted):
+    _, target, _ = converted
+    cfg = target.cfg
+    assert cfg.linear_attention.layers == (0, 1, 2) and not cfg.is_linear_attention(3)
+    assert cfg.attention_output_gate and cfg.zero_centered_norms
+    assert cfg.rope.get("partial_rotary_factor") == 0.25
+
+
+def test_logits_and_features_match_transformers(converted):
+    hf, target, _ = converted
+    ids = np.random.default_rng(0).integers(0, 96, 37).tolist()
+    want_logits, hidden = hf_forward(hf, ids)
+    logits, features = dflash_jax.target_forward(target, ids, layer_ids=[0, 2])
+    assert rel_err(logits, want_logits) < 1e-4
+    # hidden_states[i + 1] is layer i's output (the last one, the final norm's)
+    np.testing.assert_allclose(features, np.concatenate([hidden[1], hidden[3]], axis=-1), rtol=1e-4, atol=1e-4)
+
+
+def test_the_gated_delta_rule_matches_transformers_recurrent_and_chunked_forms():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule,
+    )
+
+    import jax.numpy as jnp
+
+    from dflash_jax.gated_delta_rule import gated_delta_rule
+
+    rng = np.random.default_rng(1)
+    T, Hk, Hv, dk, dv = 70, 2, 4, 16, 8
+    q, k = (rng.normal(size=(T, Hk, dk)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(T, Hv, dv)).astype(np.float32)
+    g = -np.abs(rng.normal(size=(T, Hv))).astype(np.float32)
+    beta = rng.uniform(size=(T, Hv)).astype(np.float32)
+    state = rng.normal(size=(Hv, dk, dv)).astype(np.float32)
+    ours, last = gated_delta_rule(*(jnp.asarray(x) for x in (q, k, v, g, beta, state)))
+    _, states = gated_delta_rule(*(jnp.asarray(x) for x in (q, k, v, g, beta, state)), keep_states=True)
+    args = [torch.tensor(x)[None] for x in (q, k, v, g, beta)]
+    for rule in (torch_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule):
+        out, final = rule(*args, initial_state=torch.tensor(state)[None], output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        assert rel_err(ours, out[0].numpy()) < 1e-4, rule.__name__
+        assert rel_err(last, final[0].numpy()) < 1e-4, rule.__name__
+    np.testing.assert_allclose(np.asarray(states[-1]), np.asarray(last), rtol=1e-6)
+
+
+def test_export_round_trip_loads_in_transformers(converted, tmp_path):
+    import transformers
+
+    from dflash_jax.formats.export_hf import export_hf
+
+    hf, target, _ = converted
+    export_hf(target, tmp_path / "exported")
+    again = dflash_jax.load_target(tmp_path / "exported")
+    assert again.cfg == target.cfg
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").float().eval()
+    ids = [3, 14, 15, 92, 65, 35]
+    np.testing.assert_allclose(hf_forward(reloaded, ids)[0], hf_forward(hf, ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_vision_language_checkpoints_read_their_text_model():
+    text = json.loads(json.dumps({**SHAPES, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}))
+    cfg = parse_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+                        "vision_config": {"depth": 2}})
+    assert cfg.linear_attention.layers == (0, 1, 2) and cfg.architecture == "Qwen3_5ForConditionalGeneration"
+    with pytest.raises(ConfigError, match="layer_types"):
+        parse_config({**text, "architectures": ["Qwen3_5ForCausalLM"], "layer_types": ["mamba"] * 4})
+
+
+@pytest.fixture(scope="module")
+def decoding_pair(tmp_path_factory):
+    """A Qwen3.5 target whose greedy outputs repeat (so a random drafter's drafts are often,
+    not always, right) and a random z-lab DFlash-1 drafter for it, block 4."""
+    from conftest import drafter_config_dict, favour_two_tokens, make_zlab_drafter
+
+    tmp = tmp_path_factory.mktemp("qwen3_5_decoding")
+    hf = make_qwen3_5(seed=2)
+    favour_two_tokens(hf, torch.Generator().manual_seed(2))
+    assert main(["convert", save_hf(hf, tmp / "hf"), str(tmp / "converted")]) == 0
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4,
+                                                                    "target_layer_ids": [0, 2]})
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
+    return hf, dflash_jax.load_target(tmp / "converted"), drafter
+
+
+PROMPTS = [[5, 17, 33, 2, 8, 41, 7], [40, 41, 9]]
+
+
+def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accepted_blocks(decoding_pair):
+    """The verify blocks advance the gated-delta-net states over drafts the target rejects:
+    a state that kept them would change the tokens at once."""
+    from conftest import assert_greedy_dflash_exact
+
+    hf, target, drafter = decoding_pair
+    assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=16)
+
+
+@pytest.mark.slow
+def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pair):
+    hf, target, drafter = decoding_pair
+    prompts = [np.random.default_rng(i).integers(0, 95, n).tolist() for i, n in enumerate((23, 5, 17, 30, 9))]
+    reference = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=20).token_ids
+    # 8-token prefill chunks; 16 usable pages of 8 tokens: not enough for all five requests at once
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16, num_pages=17, page_size=8,
+                               block_size=4)
+    assert not engine.prefix_caching  # a prefix's recurrent state is not cached
+    ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=20)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(i) for i in ids] == reference
+    assert sum(engine.stats(i).num_preemptions for i in ids) > 0
