@@ -256,6 +256,24 @@ def dflash2() -> dict:
     return out
 
 
+def qwen3_5() -> dict:
+    """Greedy tokens and accepted lengths of a Qwen3.5 target (a gated-delta-net layer, then a
+    gated attention layer) at TP 1, 2 and 4, and its autoregressive tokens at TP 1."""
+    cfg = parse_config(dict(
+        architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ))
+    out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=12).token_ids}
+    for tp in (1, 2, 4):
+        spec = generate(*models(cfg, tp), PROMPTS, max_new_tokens=12)
+        out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
+    return out
+
+
 def save(folder: str) -> dict:
     """The Qwen3 target and the drafter as converted (orbax) folders under `folder`."""
     from dflash_jax.checkpoint import save_checkpoint
@@ -274,7 +292,7 @@ def cli(*argv: str) -> dict:
     return {"status": main(["generate", *argv])}
 
 
-CASES = {"dflash2": dflash2, "greedy": greedy, "quantized": quantized, "moe": moe, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
+CASES = {"dflash2": dflash2, "qwen3_5": qwen3_5, "greedy": greedy, "quantized": quantized, "moe": moe, "engine_and_sampling": engine_and_sampling, "hlo": hlo, "pallas": pallas, "save": save, "cli": cli, "train": train}
 
 if __name__ == "__main__":
     print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))

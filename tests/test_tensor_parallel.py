@@ -50,6 +50,15 @@ def test_dflash2_drafters_decode_alike_at_every_tensor_parallel_size():
 
 
 @pytest.mark.slow
+def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
+    """Its drafts are all rejected here: every cycle's state is rolled back to the anchor."""
+    out = run_case("qwen3_5")
+    assert out["1"][0] == out["ar"]
+    for tp in ("2", "4"):
+        assert out[tp] == out["1"], tp
+
+
+@pytest.mark.slow
 def test_engine_and_seeded_sampling_equal_across_tensor_parallel_sizes():
     out = run_case("engine_and_sampling")
     assert out["engine/4"] == out["engine/1"]
