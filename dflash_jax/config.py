@@ -20,7 +20,10 @@ from dflash_jax.quantization import QuantizationError, WeightQuantization, parse
 from pallas_kernels.attention_mask import LayerAttention
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM",
-                        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+                        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration")
+QWEN3_5_ARCHITECTURES = TARGET_ARCHITECTURES[4:]
+VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -62,10 +65,11 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             f"unsupported target architecture {architecture!r}; supported targets are "
             f"{', '.join(TARGET_ARCHITECTURES)}."
         )
-    if architecture == "Qwen3_5ForConditionalGeneration":  # a vision-language checkpoint: its text model
-        raw = {**raw.get("text_config", {}), "architectures": [architecture],
-               "tie_word_embeddings": raw.get("tie_word_embeddings", raw.get("text_config", {}).get("tie_word_embeddings"))}
-    qwen3_5 = architecture in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:  # a vision-language checkpoint: its text model
+        text = raw.get("text_config", {})
+        raw = {**text, "architectures": [architecture],
+               "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+    qwen3_5 = architecture in QWEN3_5_ARCHITECTURES
     is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or qwen3_5
     if is_qwen3 and raw.get("use_sliding_window"):
         raise ConfigError(
@@ -86,7 +90,9 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         architecture=architecture,
         vocab_size=_required(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_required(raw, "intermediate_size"),
+        # a model whose every layer is sparse (Qwen3.5-MoE) may give no dense width: none is used
+        intermediate_size=_required(raw, "intermediate_size") if experts is None or len(experts.layers) < num_layers
+        else raw.get("intermediate_size", experts.intermediate_size),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
@@ -158,9 +164,11 @@ def _experts(raw: dict[str, Any], num_layers: int, gpt_oss: bool) -> ExpertsConf
                              swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     dense = set(raw.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = raw.get("shared_expert_intermediate_size")  # Qwen3.5-MoE, whose router always renormalises
     return ExpertsConfig(num_experts=int(num_experts), top_k=top_k,
                          intermediate_size=_required(raw, "moe_intermediate_size"),
-                         norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=layers)
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", shared is not None)), layers=layers,
+                         shared_intermediate_size=shared)
 
 
 def _quantization(raw: dict[str, Any]) -> WeightQuantization | None:

@@ -45,6 +45,9 @@ class ExpertsConfig:
     interleaved: bool = False
     swiglu_alpha: float | None = None  # None: silu(gate) * up
     swiglu_limit: float | None = None
+    # Qwen3.5-MoE: a dense SwiGLU expert of this width every token takes, scaled by sigmoid of
+    # its own gate (None: no shared expert)
+    shared_intermediate_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 
 from dflash_jax.config import ExpertsConfig
 from dflash_jax.kernels import REFERENCE, Kernels
-from dflash_jax.layers import dot_general, linear
+from dflash_jax.layers import MLP, apply_linear, dot_general, linear
 from dflash_jax.sharding import MODEL, tensor_parallel_size
 from pallas_kernels.grouped_matmul import expert_tiles, grouped_tiling, tile_rows
 
@@ -172,9 +172,20 @@ class RoutedExperts(nnx.Module):
         self.gate_up, self.down = param(hidden, 2 * inter), param(inter, hidden)
         if experts.bias:
             self.gate_up_bias, self.down_bias = param(2 * inter), param(hidden)
+        if experts.shared_intermediate_size:  # Qwen3.5-MoE: a dense expert every token takes, gated
+            self.shared_expert = MLP(hidden, experts.shared_intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
+            self.shared_expert_gate = linear(hidden, 1, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_TD, kernels: Kernels = REFERENCE):
-        """`MLP`'s call; `kernels` picks the experts' product."""
+        """`MLP`'s call; `kernels` picks the experts' product. The shared expert's output,
+        times sigmoid of its gate, adds to the routed experts'."""
+        routed_TD = self._routed(x_TD, kernels)
+        if not hasattr(self, "shared_expert"):
+            return routed_TD
+        gate_T1 = jax.nn.sigmoid(apply_linear(self.shared_expert_gate, x_TD, kernels))
+        return routed_TD + (gate_T1 * self.shared_expert(x_TD, kernels)).astype(routed_TD.dtype)
+
+    def _routed(self, x_TD, kernels: Kernels):
         router_logits = dot_general(x_TD, self.router.kernel[...], (((1,), (0,)), ((), ())))
         if self.experts.bias:
             router_logits = router_logits + self.router.bias[...]

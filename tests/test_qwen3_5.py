@@ -21,18 +21,28 @@ SHAPES = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_l
               rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def make_qwen3_5(seed: int = 0, **overrides):
-    """A tiny random transformers Qwen3.5 text model in float32; every weight, the zero-centred
-    norms, decays and biases included, drawn so that a misplaced one shows."""
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+
+
+def make_qwen3_5(seed: int = 0, moe: bool = False, **overrides):
+    """A tiny random transformers Qwen3.5 text model (or its MoE variant) in float32; every
+    weight, the zero-centred norms, decays and biases included, drawn so that a misplaced one
+    shows."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**SHAPES, **overrides}))
+    if moe:
+        shapes = {k: v for k, v in SHAPES.items() if k != "intermediate_size"}
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**shapes, **MOE, **overrides))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**SHAPES, **overrides}))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "A_log")):
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+            elif "mlp" in name:  # experts and router start at zero or tiny
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
     return model.float().eval()
 
 
@@ -161,3 +171,34 @@ def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pa
         engine.step()
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    """Qwen3.5-MoE: every layer's experts routed (softmax, top 2 of 4, renormalised) plus a
+    shared expert scaled by its sigmoid gate; greedy outputs repeat, and a random drafter."""
+    from conftest import drafter_config_dict, favour_two_tokens, make_zlab_drafter
+
+    tmp = tmp_path_factory.mktemp("qwen3_5_moe")
+    hf = make_qwen3_5(seed=4, moe=True)
+    favour_two_tokens(hf, torch.Generator().manual_seed(4))
+    assert main(["convert", save_hf(hf, tmp / "hf"), str(tmp / "converted")]) == 0
+    config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4,
+                                                                    "target_layer_ids": [0, 2]})
+    drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=7), tmp / "drafter", config))
+    return hf, dflash_jax.load_target(tmp / "converted"), drafter
+
+
+def test_the_moe_variant_matches_transformers(moe_pair):
+    hf, target, _ = moe_pair
+    assert target.cfg.experts.shared_intermediate_size == 40 and target.cfg.experts.layers == (0, 1, 2, 3)
+    ids = np.random.default_rng(4).integers(0, 96, 29).tolist()
+    assert rel_err(dflash_jax.target_forward(target, ids)[0], hf_forward(hf, ids)[0]) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_moe_variant_decodes_exactly(moe_pair):
+    from conftest import assert_greedy_dflash_exact
+
+    hf, target, drafter = moe_pair
+    assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=12)

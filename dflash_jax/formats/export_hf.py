@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from safetensors.flax import save_file
 
-from dflash_jax.config import DrafterConfig
+from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, DrafterConfig
 from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.models import Drafter, Target
@@ -38,8 +38,8 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
         raise ValueError("this drafter drafts over a reduced vocabulary (the speculators format's d2t), which "
                          "z-lab's layout cannot hold; load its speculators checkpoint as it is.")
     cfg = model.cfg
-    if getattr(cfg, "architecture", None) == "Qwen3_5ForConditionalGeneration":  # its text model, as a text model
-        cfg = dataclasses.replace(cfg, architecture="Qwen3_5ForCausalLM")
+    if getattr(cfg, "architecture", None) in VISION_LANGUAGE_ARCHITECTURES:  # its text model, as a text model
+        cfg = dataclasses.replace(cfg, architecture=cfg.architecture.replace("ForConditionalGeneration", "ForCausalLM"))
     with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
         rules = drafter_rules(cfg) if isinstance(cfg, DrafterConfig) else target_rules(cfg)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -41,14 +41,18 @@ def to_hf_config(cfg: TargetConfig | DrafterConfig) -> dict[str, Any]:
                        swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
                        layer_types=["sliding_attention" if layer.window else "full_attention"
                                     for layer in cfg.attention_layers], sliding_window=max(windows, default=None))
-        elif cfg.linear_attention is not None:  # Qwen3.5
+        if cfg.linear_attention is not None:  # Qwen3.5, and its MoE variant below
             la = cfg.linear_attention
-            raw.update(model_type="qwen3_5_text", layer_types=[
+            raw.update(model_type="qwen3_5_moe_text" if cfg.experts else "qwen3_5_text", layer_types=[
                 "linear_attention" if cfg.is_linear_attention(i) else "full_attention" for i in range(cfg.num_layers)],
                 linear_conv_kernel_dim=la.conv_kernel_size, linear_num_key_heads=la.num_key_heads,
                 linear_num_value_heads=la.num_value_heads, linear_key_head_dim=la.key_head_dim,
                 linear_value_head_dim=la.value_head_dim)
-        elif cfg.experts is not None:
+        if cfg.experts is not None and cfg.linear_attention is not None:
+            raw.update(num_experts=cfg.experts.num_experts, num_experts_per_tok=cfg.experts.top_k,
+                       moe_intermediate_size=cfg.experts.intermediate_size,
+                       shared_expert_intermediate_size=cfg.experts.shared_intermediate_size)
+        elif cfg.experts is not None and not cfg.attention_sinks:
             moe = cfg.experts
             raw.update(model_type="qwen3_moe", num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                        moe_intermediate_size=moe.intermediate_size, norm_topk_prob=moe.norm_topk_prob,

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import re
 
-from dflash_jax.config import DrafterConfig, ExpertsConfig, TargetConfig
+from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, DrafterConfig, ExpertsConfig, TargetConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +104,22 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
         rules.append(WeightRule(f"{hf}.self_attn.sinks", (*path, "self_attn", "sinks"), False))
     if experts is not None and experts.interleaved:
         return rules + _gpt_oss_experts(f"{hf}.mlp", (*path, "mlp"))
+    if experts is not None and experts.shared_intermediate_size:  # Qwen3.5-MoE: and one shared, gated expert
+        return (rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
+                + _swiglu(f"{hf}.mlp.shared_expert", (*path, "mlp", "shared_expert"), experts.shared_intermediate_size,
+                          bias=False, linear=linear)
+                + _linear(f"{hf}.mlp.shared_expert_gate", (*path, "mlp", "shared_expert_gate"), bias=False))
     if experts is not None:
         return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
-    inter = cfg.intermediate_size
+    return rules + _swiglu(f"{hf}.mlp", (*path, "mlp"), cfg.intermediate_size, bias=mlp_bias, linear=linear)
+
+
+def _swiglu(hf: str, path: tuple, inter: int, *, bias: bool, linear) -> list[WeightRule]:
+    """A SwiGLU's gate_proj and up_proj as the two column blocks of our gate_up_proj, and its down_proj."""
+    rules = []
     for proj, start in (("gate_proj", 0), ("up_proj", inter)):
-        rules += linear(f"{hf}.mlp.{proj}", (*path, "mlp", "gate_up_proj"), bias=mlp_bias,
-                        columns=(start, start + inter))
-    rules += linear(f"{hf}.mlp.down_proj", (*path, "mlp", "down_proj"), bias=mlp_bias)
-    return rules
+        rules += linear(f"{hf}.{proj}", (*path, "gate_up_proj"), bias=bias, columns=(start, start + inter))
+    return rules + linear(f"{hf}.down_proj", (*path, "down_proj"), bias=bias)
 
 
 def _gated_delta_net(hf: str, path: tuple) -> list[WeightRule]:
@@ -153,7 +161,7 @@ def target_rules(cfg: TargetConfig) -> list[WeightRule]:
     """`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `GptOssForCausalLM` / `LlamaForCausalLM` /
     `Qwen3_5ForCausalLM` names (`model.` prefix, `lm_head` unless tied), and a Qwen3.5
     vision-language checkpoint's text model (`model.language_model.`)."""
-    model = "model.language_model" if cfg.architecture == "Qwen3_5ForConditionalGeneration" else "model"
+    model = "model.language_model" if cfg.architecture in VISION_LANGUAGE_ARCHITECTURES else "model"
     rules = [WeightRule(f"{model}.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_layers):
         rules += _decoder_layer(f"{model}.layers.{i}", ("layers", i), cfg, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm,

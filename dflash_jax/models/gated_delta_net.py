@@ -55,11 +55,12 @@ class GatedDeltaNetLayer(nnx.Module):
     """Pre-norm gated delta net + SwiGLU MLP, called like `layers.DecoderLayer`: `attend`
     receives `RecurrentInputs` instead of attention heads."""
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+        """`mlp`: the layer's feed-forward when it is not the dense SwiGLU (routed experts)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
+        self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)

@@ -51,7 +51,7 @@ class Target(nnx.Module):
 
         def layer(i: int):
             if cfg.is_linear_attention(i):
-                return GatedDeltaNetLayer(cfg, dtype=dtype, rngs=rngs)
+                return GatedDeltaNetLayer(cfg, dtype=dtype, rngs=rngs, mlp=feed_forward(i))
             return DecoderLayer(cfg, qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs,
                                 mlp=feed_forward(i), sinks=cfg.attention_sinks)
 
