@@ -142,7 +142,7 @@ def decoding_pair(tmp_path_factory):
     config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4,
                                                                     "target_layer_ids": [0, 2]})
     drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=5), tmp / "drafter", config))
-    return hf, dflash_jax.load_target(tmp / "converted"), drafter
+    return hf, dflash_jax.load_target(tmp / "converted"), drafter, tmp
 
 
 PROMPTS = [[5, 17, 33, 2, 8, 41, 7], [40, 41, 9]]
@@ -153,13 +153,13 @@ def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accept
     a state that kept them would change the tokens at once."""
     from conftest import assert_greedy_dflash_exact
 
-    hf, target, drafter = decoding_pair
+    hf, target, drafter, _ = decoding_pair
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=16)
 
 
 @pytest.mark.slow
 def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pair):
-    hf, target, drafter = decoding_pair
+    hf, target, drafter, _ = decoding_pair
     prompts = [np.random.default_rng(i).integers(0, 95, n).tolist() for i, n in enumerate((23, 5, 17, 30, 9))]
     reference = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=20).token_ids
     # 8-token prefill chunks; 16 usable pages of 8 tokens: not enough for all five requests at once
@@ -171,6 +171,16 @@ def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pa
         engine.step()
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
+
+
+@pytest.mark.slow
+def test_the_cli_generates_with_a_hybrid_target(decoding_pair, capsys):
+    _, target, _, tmp = decoding_pair
+    argv = ["generate", "--target", str(tmp / "converted"), "--drafter", str(tmp / "drafter"), "--prompt-ids",
+            ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "8", "--block-size", "4"]
+    assert main(argv) == 0
+    want = dflash_jax.generate_autoregressive(target, PROMPTS[:1], max_new_tokens=8).token_ids[0]
+    assert ",".join(map(str, want)) in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

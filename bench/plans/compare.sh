@@ -43,7 +43,8 @@
 #                 one (batch 1 at 1k, block 16; batch 32 at 1k, block 8);
 #   train-dflash2 issue 33: the shipped drafter grown into DFlash 2 and fine-tuned (bench.pipelines.smollm2_drafter
 #                 --dflash2), in /tmp/d2, resumed by each call while the machine stays warm; DFLASH2, STEPS,
-#                 MINUTES, SELF, FOLLOW_UPS;
+#                 MINUTES, SELF, FOLLOW_UPS; run it alone in its call (the drafter fills the files
+#                 a call returns);
 #   train-diverse issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
 #                 well (bench.pipelines.smollm2_drafter), in /tmp/ft23, resumed by each call
 #                 while the machine stays warm; MINUTES, STEPS, SELF_TEMPERATURES and
@@ -228,8 +229,12 @@ for step in "$@"; do
             --lr 3e-4 --max-new-tokens 256 --gen-batch 512 --eval-new-tokens 128 --eval-block-sizes 16 \
             --checkpoint-every 500 --timing-repeats 1 --speed-questions 1 --eval-diverse \
             --stop-training-after ${MINUTES:-8.5} >> /tmp/d2.log 2>&1
-        echo "   rc=$?"; cp /tmp/d2.log /tmp/d2/results.json "$out/" 2>/dev/null; tail -6 /tmp/d2.log
-        [ -d /tmp/d2/drafter ] && cp -r /tmp/d2/drafter "$out/drafter" ;;
+        echo "   rc=$?"; tail -6 /tmp/d2.log
+        # At most 8 files come back from a call: the logs go as one archive, beside the
+        # drafter's (its shards, index, config and card); nothing else may be in $out.
+        mkdir -p /tmp/d2logs && cp /tmp/d2.log /tmp/d2/results.json "$out/convert.log" /tmp/d2logs/ 2>/dev/null
+        rm -f "$out/convert.log"; tar -czf "$out/train-dflash2-logs.tar.gz" -C /tmp d2logs
+        [ -d /tmp/d2/drafter ] && cp -r /tmp/d2/drafter "$out/drafter"; ls -R "$out" ;;
     *) echo "unknown step $step" ;;
     esac
 done
