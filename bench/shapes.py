@@ -65,6 +65,21 @@ GPT_OSS_20B_DRAFTER = dict(
     num_key_value_heads=8, head_dim=64, num_target_layers=24,
     dflash_config=dict(mask_token_id=200017, target_layer_ids=[1, 6, 11, 16, 21], block_size=16),
 )
+# Qwen3.5-9B (issue 35): 32 layers, every 4th a gated attention layer (16 heads of 256, 4 kv
+# heads, a quarter of each head rotated), the rest gated-delta-net layers (16 q/k heads and 32
+# v heads of 128); transformers' Qwen3_5TextConfig defaults, which third-party reports of the
+# 9B checkpoint match. A DFlash-1 drafter of the 8B drafter's form at its vocabulary.
+QWEN3_5_9B = dict(
+    architectures=["Qwen3_5ForCausalLM"], vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    max_position_embeddings=262144, tie_word_embeddings=False, linear_conv_kernel_dim=4, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+)
+QWEN3_5_9B_DRAFTER = dict(
+    QWEN3_8B_DRAFTER, vocab_size=248320, num_target_layers=32, max_position_embeddings=262144,
+    dflash_config=dict(mask_token_id=248319, target_layer_ids=[1, 8, 15, 22, 29], block_size=16),
+)
 # DFlash 2 (issue 33): the 8B drafter with convolutions and a candidate selector, at the sizes
 # of the published DFlash 2 recipes (kernel 4, top 16 candidates, rank 256).
 QWEN3_8B_DFLASH2_DRAFTER = dict(
@@ -83,6 +98,11 @@ SMALL_DFLASH2_DRAFTER = dict(
     SMALL_DRAFTER, architectures=["DFlash2DraftModel"],
     dflash_config=dict(SMALL_DRAFTER["dflash_config"], conv_kernel_size=4, conv_group_size=64, selector_rank=32,
                        selector_top_k=8),
+)
+SMALL_QWEN3_5 = dict(
+    QWEN3_5_9B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
 )
 SMALL_MOE = dict(SMALL, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=128, num_experts=8,
                  num_experts_per_tok=2, norm_topk_prob=True)
@@ -106,5 +126,7 @@ MODELS = {
     "gpt-oss-20b": ModelShapes("gpt-oss-20b shape", GPT_OSS_20B, GPT_OSS_20B_DRAFTER),
     "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
     "small-dflash2": ModelShapes("small CPU shapes, DFlash 2 drafter", SMALL, SMALL_DFLASH2_DRAFTER),
+    "qwen3_5-9b": ModelShapes("Qwen3.5-9B shape", QWEN3_5_9B, QWEN3_5_9B_DRAFTER),
+    "small-qwen3_5": ModelShapes("small CPU shapes, a hybrid target", SMALL_QWEN3_5, SMALL_DRAFTER),
     "small-moe": ModelShapes("small CPU shapes, routed experts", SMALL_MOE, SMALL_DRAFTER),
 }

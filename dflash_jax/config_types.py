@@ -102,6 +102,12 @@ class TargetConfig:
         """How layer `layer` attends: causal, with its window where it has one."""
         return self.attention_layers[layer] if self.attention_layers else CAUSAL
 
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The decoder layers that keep keys and values (all but gated-delta-net layers): the
+        target's paged cache holds these, in order."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_attention(i))
+
     def is_linear_attention(self, layer: int) -> bool:
         """Whether layer `layer` is a gated-delta-net layer rather than an attention layer."""
         return self.linear_attention is not None and layer in self.linear_attention.layers

@@ -96,7 +96,8 @@ class DecodeState:
                                  for layers, pages in zip(groups.layers, draft_pages))
         vocab = target.cfg.vocab_size if cfg.keeps_draft_probs else 0
         return cls(
-            target_cache=PagedKVCache.for_model(target, target.cfg.num_layers, target_pages, page_size, cfg.kernels),
+            target_cache=PagedKVCache.for_model(target, len(target.cfg.kv_layers), target_pages, page_size,
+                                                cfg.kernels),
             draft_caches=draft_caches,
             drafts_SN=jnp.zeros((num_slots, cfg.num_drafts), jnp.int32),
             draft_probs_SNV=jnp.zeros((num_slots, cfg.num_drafts, vocab), jnp.float32),

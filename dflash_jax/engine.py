@@ -493,7 +493,7 @@ class Engine:
     def _pages_for_budget(self, target, drafter, budget: int | None, num_windowed_groups: int) -> int:
         if budget is None:
             return 1 + self.max_num_reqs * self.pages_per_req
-        layers = [(target, target.cfg.num_layers)]
+        layers = [(target, len(target.cfg.kv_layers))]
         if drafter is not None:  # windowed groups with pages of their own have their own pool
             in_pool = self._groups.layers[: len(self._groups.layers) - num_windowed_groups]
             layers.append((drafter, sum(map(len, in_pool))))

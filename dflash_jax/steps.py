@@ -57,6 +57,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     is the caller's to commit (`recurrent_state.advanced_rows` over the tokens kept)."""
     seq_lens_R = _seq_lens(batch)
     layer_inputs = []
+    cache_layers = {layer: i for i, layer in enumerate(target.cfg.kv_layers)}  # the cache holds attention layers
 
     def attend(layer, heads):
         nonlocal cache
@@ -66,8 +67,8 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
             real_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
             return ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
                                batch.query_start_loc[:-1], real_T)[0]
-        out_TUH, cache = attend_paged(target.mesh, cache, layer, heads, kernels, slots_T=batch.slots, q_rows_T=batch.rows,
-                                      page_table=batch.page_table, seq_lens_R=seq_lens_R,
+        out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,
+                                      q_rows_T=batch.rows, page_table=batch.page_table, seq_lens_R=seq_lens_R,
                                       rule=target.cfg.layer_attention(layer))
         return out_TUH
 

@@ -65,6 +65,7 @@ def test_config_reads_the_hybrid_layout(converted):
     _, target, _ = converted
     cfg = target.cfg
     assert cfg.linear_attention.layers == (0, 1, 2) and not cfg.is_linear_attention(3)
+    assert cfg.kv_layers == (3,)  # the paged cache keeps the attention layer's keys and values only
     assert cfg.attention_output_gate and cfg.zero_centered_norms
     assert cfg.rope.get("partial_rotary_factor") == 0.25
 

@@ -51,7 +51,7 @@ def main(argv=None) -> None:
                                    draft_sampling=flags.draft_sampling)
         decode = next(p for p in engine.programs if p.rows == 1 and p.greedy)
         memory = engine.memory_analysis(decode)
-        caches = kv_cache_bytes(num_layers=target.cfg.num_layers, num_pages=engine.scheduler.allocator.num_pages,
+        caches = kv_cache_bytes(num_layers=len(target.cfg.kv_layers), num_pages=engine.scheduler.allocator.num_pages,
                                 page_size=engine.page_size, num_kv_heads=target.cfg.num_kv_heads,
                                 head_dim=target.cfg.head_dim, dtype=target.dtype)
         row = {"max_model_len": engine.max_model_len, "target_cache_bytes": caches,

@@ -317,7 +317,7 @@ def main(argv=None) -> int:
             continue
         prompts = prompts_for(rng, tcfg.vocab_size, batch, context)
         mean_ctx = context + 0.75 * opts.n_tokens  # where the n - m steps sit, on average
-        kv_target = batch * mean_ctx * kv_bytes_per_token(pair.target, tcfg.num_layers)
+        kv_target = batch * mean_ctx * kv_bytes_per_token(pair.target, len(tcfg.kv_layers))
         kv_drafter = batch * mean_ctx * kv_bytes_per_token(pair.drafter, dcfg.num_layers)
         for impl in impls:
             result = dict(batch=batch, context=context, attention_impl=impl, block_sizes=opts.block_sizes,

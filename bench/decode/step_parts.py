@@ -64,6 +64,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
 
     from dflash_jax import sampling
     from dflash_jax.kv_cache import DraftCacheGroups, PagedKVCache
+    from dflash_jax.recurrent_state import RecurrentState
     from dflash_jax.steps import block_batch, draft_block, draft_layouts, target_step, write_context_kv
 
     target, drafter = pair.target, pair.drafter
@@ -89,14 +90,16 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         return dict(s=per_call, first_run_s=first)
 
     def target_cache():
-        return PagedKVCache.for_model(target, tcfg.num_layers, num_pages, PAGE_SIZE, kernels)
+        return PagedKVCache.for_model(target, len(tcfg.kv_layers), num_pages, PAGE_SIZE, kernels)
 
     def draft_caches():
         return tuple(PagedKVCache.for_model(drafter, len(layers), num_pages, PAGE_SIZE, kernels)
                      for layers in groups.layers)
 
+    recurrent = RecurrentState.zeros(tcfg, batch, target.dtype)  # a hybrid target's states (the rule runs once)
+
     def ar_step(models, cache, batch_):
-        cache, logits, *_ = target_step(models[0], cache, batch_, (), kernels)
+        cache, logits, *_ = target_step(models[0], cache, batch_, (), kernels, recurrent)
         return cache, sampling.sample_target(logits, *sampling_R, start_R, greedy=True)
 
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (batch, max(opts.block_sizes))), jnp.int32)
@@ -120,7 +123,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         layouts = draft_layouts(drafter, page_sizes, tables, verify_batch, **layout_args)
 
         def verify(models, cache, batch_):
-            cache, logits, feats, _ = target_step(models[0], cache, batch_, dcfg.target_layer_ids, kernels)
+            cache, logits, feats, _ = target_step(models[0], cache, batch_, dcfg.target_layer_ids, kernels, recurrent)
             return cache, (logits, feats)
 
         def layout(models, carry, batch_, layout_args=layout_args):
