@@ -66,6 +66,16 @@ def kv_bytes_per_token(model, num_layers: int) -> int:
     return 2 * num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize  # k and v
 
 
+def recurrent_bytes_per_request(model) -> int:
+    """A hybrid target's gated-delta-net state per request, read and written once a step
+    (0 for other targets): each layer's convolution history and float32 delta-rule state."""
+    la = model.cfg.linear_attention
+    if la is None:
+        return 0
+    history = (la.conv_kernel_size - 1) * la.conv_dim * model.dtype.itemsize
+    return 2 * len(la.layers) * (history + la.num_value_heads * la.key_head_dim * la.value_head_dim * 4)
+
+
 @dataclasses.dataclass
 class RandomPair:
     target: object

@@ -372,7 +372,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     samples_R = batch.remaining_R > 0
     if rows_before is not None:  # the states after the kept tokens only: rejected drafts leave no trace
         rows_after = advanced_rows(rows_before, layer_inputs, batch.target.rows, batch.target.query_start_loc[:-1],
-                                   kept_tokens(batch, count_R))
+                                   kept_tokens(batch, count_R), cfg.kernels)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
             lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
     if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts

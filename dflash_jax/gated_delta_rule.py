@@ -4,8 +4,8 @@ start) to the state after its last token.
 
 Per token, per value head, with S a [key dim, value dim] state in float32:
 S <- exp(g) S; S <- S + k (x) beta (v - S^T k); out = S^T q (q and k L2-normed, q scaled by
-key dim^-1/2). Written as one `lax.scan` over tokens: the reference the dense forward runs,
-and what the runtime's verify will run to keep the state after every block position.
+key dim^-1/2): the reference the dense forward runs, one `lax.scan` over tokens
+(`pallas_kernels.delta_rule` holds it and the runtime's kernel).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config_types import GatedDeltaNetConfig
+from pallas_kernels.delta_rule import delta_rule_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,35 +54,21 @@ def l2_normed(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def prepared_queries_keys(q_THK, k_THK, num_value_heads: int):
-    """float32 queries and keys as the rule reads them: L2-normed, q scaled by key dim^-1/2,
-    each key head repeated for the value heads it serves."""
-    repeat = num_value_heads // q_THK.shape[1]
-    q_THK, k_THK = (jnp.repeat(x.astype(jnp.float32), repeat, axis=1) for x in (q_THK, k_THK))
+def prepared_queries_keys(q_THK, k_THK):
+    """float32 queries and keys as the rule reads them: L2-normed, q scaled by key dim^-1/2
+    (each key head serves value heads / key heads consecutive value heads)."""
+    q_THK, k_THK = (x.astype(jnp.float32) for x in (q_THK, k_THK))
     return l2_normed(q_THK) * q_THK.shape[-1] ** -0.5, l2_normed(k_THK)
 
 
-def delta_step(state_HKV, q_HK, k_HK, v_HV, g_H, beta_H):
-    """One token through the rule: (the state after it, its output [Hv, value dim])."""
-    state_HKV = state_HKV * jnp.exp(g_H)[:, None, None]
-    remembered_HV = jnp.einsum("hkv,hk->hv", state_HKV, k_HK)
-    state_HKV = state_HKV + k_HK[:, :, None] * ((v_HV - remembered_HV) * beta_H[:, None])[:, None, :]
-    return state_HKV, jnp.einsum("hkv,hk->hv", state_HKV, q_HK)
-
-
-def gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, state_HKV, *, keep_states: bool = False):
+def gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, state_HKV):
     """(out [T, Hv, value dim] float32, the state after the last token [Hv, key dim, value
-    dim], or with `keep_states` the state after every token [T, Hv, key dim, value dim]).
-    q and k have `num_key_heads` heads, each shared by Hv / that many value heads."""
-    q_THK, k_THK = prepared_queries_keys(q_THK, k_THK, v_THV.shape[1])
-
-    def step(state, inputs):
-        state, out_HV = delta_step(state, *inputs)
-        return state, (out_HV, state if keep_states else None)
-
-    inputs = (q_THK, k_THK, v_THV.astype(jnp.float32), g_TH.astype(jnp.float32), beta_TH.astype(jnp.float32))
-    last, (out_THV, states) = jax.lax.scan(step, state_HKV.astype(jnp.float32), inputs)
-    return out_THV, states if keep_states else last
+    dim]). q and k have `num_key_heads` heads, each shared by Hv / that many value heads."""
+    q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
+    whole = jnp.zeros((1,), jnp.int32), jnp.full((1,), q_THK.shape[0], jnp.int32)  # one row: every token
+    out_THV, state_1HKV = delta_rule_reference(q_THK, k_THK, *(x.astype(jnp.float32) for x in (v_THV, g_TH, beta_TH)),
+                                               state_HKV.astype(jnp.float32)[None], *whole)
+    return out_THV, state_1HKV[0]
 
 
 def split_heads(conv_out_TC, cfg: GatedDeltaNetConfig):

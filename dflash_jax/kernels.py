@@ -1,12 +1,13 @@
 """Which implementation computes each kernel: one frozen value, resolved once, passed down.
 
-`Kernels` names the implementation of the six kernels a step runs: paged attention, the
+`Kernels` names the implementation of the seven kernels a step runs: paged attention, the
 DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
-write), the 8-bit weights' product and the routed experts' product. "auto" has one meaning
-for all six: the Pallas kernel on a GPU, the jnp reference elsewhere (where Pallas could only
-run in its slow interpret mode); the 8-bit product on a mesh is the reference (XLA partitions
-it; a Pallas call it could not), while the experts' kernel runs per device inside the expert
-split. `resolve()` replaces "auto" by what it means on this backend; the resolved value
+write), the 8-bit weights' product, the routed experts' product and the gated delta rule
+(hybrid targets' linear attention). "auto" has one meaning for all seven: the Pallas kernel
+on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
+mode); the 8-bit product and the delta rule on a mesh are the references (XLA partitions
+them; a Pallas call it could not), while the experts' kernel runs per device inside the
+expert split. `resolve()` replaces "auto" by what it means on this backend; the resolved value
 travels in each program's static configuration, so it is part of the jit cache key and a
 different choice compiles a different program. Nothing here reads the environment: a caller
 that wants environment defaults (the CLI) reads them itself.
@@ -24,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 from pallas_kernels.paged_attention import (
@@ -41,6 +43,7 @@ CHOICES = {
     "heads": ("auto", "reference", "pallas"),
     "quantized": ("auto", "reference", "pallas"),
     "experts": ("auto", "reference", "pallas"),
+    "recurrence": ("auto", "reference", "pallas"),
 }
 
 
@@ -55,6 +58,7 @@ class Kernels:
     heads: str = "auto"
     quantized: str = "auto"
     experts: str = "auto"
+    recurrence: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -78,13 +82,13 @@ class Kernels:
     def resolve(self, mesh=None) -> Kernels:
         """This value with "auto" replaced by what it means on the default backend, for models
         placed on `mesh` (None: one device)."""
-        if mesh is not None and self.quantized == "pallas":
-            raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
-                             "(or auto).")
+        for name, kernel in (("quantized", "8-bit product"), ("recurrence", "delta rule")):
+            if mesh is not None and getattr(self, name) == "pallas":
+                raise ValueError(f"the Pallas {kernel} runs on one device; on a mesh use {name}=reference (or auto).")
         on_gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if on_gpu else "reference" for name in CHOICES}
         if mesh is not None:
-            auto["quantized"] = "reference"
+            auto["quantized"] = auto["recurrence"] = "reference"
         return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
                           for name in CHOICES})
 
@@ -110,6 +114,11 @@ class Kernels:
         """The routed experts' product: `grouped_matmul_pallas` (pairs in tiles of one expert,
         only the routed experts read), or None for the reference (XLA's `ragged_dot`)."""
         return grouped_matmul_pallas if self._chosen("experts") == "pallas" else None
+
+    @property
+    def delta_rule(self):
+        """`delta_rule_reference`'s signature: the gated delta rule over ragged rows."""
+        return delta_rule_pallas if self._chosen("recurrence") == "pallas" else delta_rule_reference
 
     def paged_attention(self, q_req_T, *, num_rows: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes
@@ -152,6 +161,6 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product), experts (routed experts' product) = auto | reference | pallas (layout also triton); auto, "
+        "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton); auto, "
         "the default, is Pallas on a GPU and the jnp reference elsewhere",
     )

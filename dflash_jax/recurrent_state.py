@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config_types import TargetConfig
-from dflash_jax.gated_delta_rule import (
-    RecurrentInputs, causal_conv_taps, delta_step, prepared_queries_keys, split_heads,
-)
+from dflash_jax.gated_delta_rule import RecurrentInputs, causal_conv_taps, prepared_queries_keys, split_heads
+from dflash_jax.kernels import Kernels
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["history", "delta"], meta_fields=[])
@@ -45,11 +44,13 @@ class RecurrentState:
                          for _ in layers))
 
 
-def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T):
+def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T, kernels: Kernels, *,
+                outputs: bool = True):
     """(out [T, value heads, value dim] float32, history [R, taps - 1, C], delta [R, ...]):
-    each token t of batch row `rows_T[t]` (rows start at `starts_R`) convolved and run through
-    the rule from its row's state; a row's state then advances over its tokens where
-    `advancing_T` (a prefix of each row's tokens) and stays put over the rest."""
+    each token t of batch row `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a
+    prefix of each row's tokens) convolved and run through the rule from its row's state,
+    which advances over those tokens; the other tokens' outputs are zeros, and so are all
+    of them with `outputs=False` (a caller that wants the states alone)."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
@@ -61,17 +62,10 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
 
     conv_TC = causal_conv_taps([earlier(taps - 1 - j) for j in range(taps)], inputs.conv_weight_C1K)
     q_THK, k_THK, v_THV = split_heads(conv_TC, cfg)
-    q_THK, k_THK = prepared_queries_keys(q_THK, k_THK, cfg.num_value_heads)
-
-    def step(delta_RHKV, token):
-        *inputs, row, advances = token
-        before = delta_RHKV[row]
-        state, out_HV = delta_step(before, *inputs)
-        return delta_RHKV.at[row].set(jnp.where(advances, state, before)), out_HV
-
-    tokens = (q_THK, k_THK, v_THV.astype(jnp.float32), inputs.g_TV, inputs.beta_TV, rows_T, advancing_T)
-    delta_RHKV, out_THV = jax.lax.scan(step, delta_RHKV.astype(jnp.float32), tokens)
     kept_R = jnp.zeros(starts_R.shape, jnp.int32).at[rows_T].add(advancing_T.astype(jnp.int32))
+    out_THV, delta_RHKV = kernels.delta_rule(*prepared_queries_keys(q_THK, k_THK), v_THV.astype(jnp.float32),
+                                             inputs.g_TV, inputs.beta_TV, delta_RHKV.astype(jnp.float32), starts_R,
+                                             starts_R + kept_R, outputs=outputs)
     place_RK = kept_R[:, None] - (taps - 1) + jnp.arange(taps - 1)[None, :]  # the new history's places in each row
     history_RKC = jnp.where((place_RK >= 0)[..., None],
                             inputs.mixed_TC[jnp.clip(starts_R[:, None] + place_RK, 0, num_tokens - 1)],
@@ -81,12 +75,13 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
 
 
 def advanced_rows(rows: RecurrentState, layer_inputs: tuple[RecurrentInputs, ...], rows_T, starts_R,
-                  advancing_T) -> RecurrentState:
+                  advancing_T, kernels: Kernels) -> RecurrentState:
     """Each batch row's state after the tokens it keeps (`advancing_T`), from `rows` (its
     state before the batch) and what each layer's rule read in the batch."""
     history, delta = [], []
     for inputs, history_RKC, delta_RHKV in zip(layer_inputs, rows.history, rows.delta):
-        _, history_RKC, delta_RHKV = ragged_rule(inputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T)
+        _, history_RKC, delta_RHKV = ragged_rule(inputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
+                                                 kernels, outputs=False)
         history.append(history_RKC)
         delta.append(delta_RHKV)
     return RecurrentState(tuple(history), tuple(delta))

@@ -66,7 +66,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
             layer_inputs.append(heads)
             real_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
             return ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
-                               batch.query_start_loc[:-1], real_T)[0]
+                               batch.query_start_loc[:-1], real_T, kernels)[0]
         out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,
                                       q_rows_T=batch.rows, page_table=batch.page_table, seq_lens_R=seq_lens_R,
                                       rule=target.cfg.layer_attention(layer))

@@ -59,7 +59,8 @@ Also: `copy`, the device copy bandwidth (the faster of x + 1 and jnp.copy over a
 array; read + write counted, as ENVIRONMENT.md's copy rate); `bandwidth`, AR step bytes
 (target weights streamed: every parameter but the embedding table, of a MoE target's experts
 those the step's B tokens touch under uniform routing, plus the K/V read, B x C x layers x 2 x
-kv heads x head_dim x 2 bytes) over the AR step time, and its share of the copy bandwidth;
+kv heads x head_dim x 2 bytes, and a hybrid target's gated-delta-net states read and written
+once) over the AR step time, and its share of the copy bandwidth;
 the `floor` of a step, those bytes over the copy bandwidth (for the cycle, per block: the
 target over B x block tokens, drafter and the LM head a second time for the draft logits, plus
 both K/V reads); --profile: device events, busy time and host syncs per loop iteration from
@@ -105,7 +106,7 @@ from bench.decode.profile import profile_generate
 from bench.decode.report import derived, fmt, ms, report
 from bench.decode.step_parts import section_steps
 from bench.decode.torch_anchors import run_torch_anchors
-from bench.random_models import build_pair, kv_bytes_per_token
+from bench.random_models import build_pair, kv_bytes_per_token, recurrent_bytes_per_request
 from bench.shapes import MODELS
 from pallas_kernels.common import next_pow2
 
@@ -319,6 +320,7 @@ def main(argv=None) -> int:
         mean_ctx = context + 0.75 * opts.n_tokens  # where the n - m steps sit, on average
         kv_target = batch * mean_ctx * kv_bytes_per_token(pair.target, len(tcfg.kv_layers))
         kv_drafter = batch * mean_ctx * kv_bytes_per_token(pair.drafter, dcfg.num_layers)
+        kv_target += batch * recurrent_bytes_per_request(pair.target)  # a hybrid target's states
         for impl in impls:
             result = dict(batch=batch, context=context, attention_impl=impl, block_sizes=opts.block_sizes,
                           memory_estimate_bytes=need, ar_bytes=pair.target_stream_bytes(batch) + kv_target,

@@ -1,0 +1,104 @@
+"""The gated delta rule over a ragged batch as one Pallas kernel (Triton lowering on a GPU,
+interpret mode on CPU), and its jnp reference.
+
+Per token, per value head, with S a [key dim, value dim] float32 state:
+S <- exp(g) S; S <- S + k (x) beta (v - S^T k); out = S^T q. Each value column of S evolves
+on its own (the rule mixes key rows, never value columns), so a program owns one batch row,
+one value head and `block_v` value columns, keeps that slice of S in registers and walks the
+row's tokens in order: the state is read once and written once per call, whatever the
+tokens, which is what decode and verify steps (a few tokens per row) need. Rows are
+`[start, end)` token ranges; tokens in no range are not touched and their outputs are zero.
+
+Every token of a row goes through the same operations in the same order whatever else is
+in the call, so a verify block computes exactly what single steps compute.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import is_pow2, runs_interpreted
+
+BLOCK_V = 32  # value columns per program: a [key dim, 32] float32 slice of S fits a program's registers
+
+
+def _token_rows(starts_R, ends_R, num_tokens: int):
+    """(row [T], in a row [T]) of each token given the rows' [start, end) ranges."""
+    t_T = jnp.arange(num_tokens)[:, None]
+    in_TR = (t_T >= starts_R[None, :]) & (t_T < ends_R[None, :])
+    return jnp.argmax(in_TR, axis=1), jnp.any(in_TR, axis=1)
+
+
+def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True):
+    """(out [T, value heads, value dim] float32, state [R, value heads, key dim, value dim]):
+    each row's tokens `[starts_R[r], ends_R[r])` run through the rule from `state_RHKV[r]`.
+    q and k (float32, prepared: L2-normed, q scaled) have key heads, each shared by value
+    heads / key heads consecutive value heads; g and beta are per value head. With
+    `outputs=False` the outputs are zeros (a caller that wants the states alone)."""
+    repeat = v_THV.shape[1] // q_THK.shape[1]
+    q_THK, k_THK = (jnp.repeat(x, repeat, axis=1) for x in (q_THK, k_THK))
+    row_T, in_row_T = _token_rows(starts_R, ends_R, q_THK.shape[0])
+
+    def step(state_RHKV, token):
+        q_HK, k_HK, v_HV, g_H, beta_H, row, in_row = token
+        state_HKV = state_RHKV[row] * jnp.exp(g_H)[:, None, None]
+        remembered_HV = jnp.einsum("hkv,hk->hv", state_HKV, k_HK)
+        state_HKV = state_HKV + k_HK[:, :, None] * ((v_HV - remembered_HV) * beta_H[:, None])[:, None, :]
+        out_HV = jnp.where(in_row, jnp.einsum("hkv,hk->hv", state_HKV, q_HK), 0)
+        return state_RHKV.at[row].set(jnp.where(in_row, state_HKV, state_RHKV[row])), out_HV
+
+    tokens = (q_THK, k_THK, v_THV, g_TH, beta_TH, row_T, in_row_T)
+    state_RHKV, out_THV = lax.scan(step, state_RHKV, tokens)
+    return (out_THV if outputs else jnp.zeros_like(out_THV)), state_RHKV
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, out_ref, state_ref, *,
+            repeat: int, block_v: int, write_out: bool):
+    row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    key_head = head // repeat
+    cols = pl.ds(col_block * block_v, block_v)
+
+    def step(t, state_KV):
+        k_K = k_ref[t, key_head, :]
+        state_KV = state_KV * jnp.exp(g_ref[t, head])
+        remembered_V = jnp.sum(state_KV * k_K[:, None], axis=0)
+        update_V = (v_ref[t, head, cols] - remembered_V) * beta_ref[t, head]
+        state_KV = state_KV + k_K[:, None] * update_V[None, :]
+        if write_out:
+            out_ref[t, head, cols] = jnp.sum(state_KV * q_ref[t, key_head, :][:, None], axis=0)
+        return state_KV
+
+    state_ref[row, head, :, cols] = lax.fori_loop(starts_ref[row], ends_ref[row], step,
+                                                  state_in_ref[row, head, :, cols])
+
+
+def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
+                      block_v: int = BLOCK_V, num_warps: int = 4, interpret: bool | None = None):
+    """`delta_rule_reference` (same arguments and result) as one kernel, which with
+    `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
+    T, Hk, K = q_THK.shape
+    R, H, _, V = state_RHKV.shape
+    block_v = min(block_v, V)
+    if not (is_pow2(K) and is_pow2(block_v)) or V % block_v:
+        raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({K}) and value columns in "
+                         f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
+    interpret = runs_interpreted(interpret)
+    out, state = pl.pallas_call(
+        functools.partial(_kernel, repeat=H // Hk, block_v=block_v, write_out=outputs),
+        out_shape=(jax.ShapeDtypeStruct((T, H, V), jnp.float32), jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
+        grid=(R, H, V // block_v),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        input_output_aliases={5: 1},
+        name="gated_delta_rule",
+    )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32))
+    if not outputs:
+        return jnp.zeros_like(out), state
+    _, in_row_T = _token_rows(starts_R, ends_R, T)
+    return jnp.where(in_row_T[:, None, None], out, 0), state
