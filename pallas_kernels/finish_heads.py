@@ -116,7 +116,9 @@ def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim,
 def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH, v_cache_XKH,
                         *, num_heads: int, interpret: bool | None = None):
     """`finish_heads_reference` (same arguments and results) as one kernel writing the caches
-    in place (donate them, or keep them loop-carried, or XLA copies them first). interpret:
+    in place (donate them, or keep them loop-carried, or XLA copies them first). Heads
+    rotated in part (partial rotary: a table narrower than half a head) take the reference,
+    whose XLA kernels cost little beside the few attention layers of such models. interpret:
     None runs compiled on a GPU backend and in interpret mode elsewhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -128,8 +130,8 @@ def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, sl
     if (q_weight_H is None) != (k_weight_H is None):
         raise ValueError("pass both q/k norm weights (Qwen3) or neither (Llama).")
     if 2 * cos_TZ.shape[-1] != head_dim:
-        raise ValueError(f"the kernel rotates whole heads; a table of {cos_TZ.shape[-1]} angles for heads of {head_dim} "
-                         "(partial rotary) needs finish_heads_reference.")
+        return finish_heads_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH,
+                                      v_cache_XKH, num_heads=num_heads)
     qk_norm = q_weight_H is not None
     eps = float(eps)  # a Python number: a traced one would be a constant the kernel captures
     if not interpret:

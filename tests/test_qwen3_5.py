@@ -158,11 +158,12 @@ def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accept
 
 def test_the_delta_rule_kernel_decodes_alike(decoding_pair):
     """The Pallas rule (interpret mode here) in the verify pass and the commit over kept tokens,
-    the jnp reference for the autoregressive tokens it must equal."""
+    the jnp reference for the autoregressive tokens it must equal; the heads' Pallas finish
+    hands partly rotated heads to its reference."""
     _, target, drafter, _ = decoding_pair
     want = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12).token_ids
     spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4,
-                               kernels=dflash_jax.Kernels(recurrence="pallas"))
+                               kernels=dflash_jax.Kernels(recurrence="pallas", heads="pallas"))
     assert spec.token_ids == want
     assert any(0 < n < 4 for per_request in spec.accepted_lengths for n in per_request)
 
