@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from dflash_jax import sampling
 from dflash_jax.kernels import Kernels
 from dflash_jax.kv_cache import PAD_SLOT, DraftCacheGroups, PagedKVCache, slots_of
-from dflash_jax.recurrent_state import RecurrentState, advanced_rows
+from dflash_jax.recurrent_state import RecurrentState, advanced_rows, states_after
 from dflash_jax.steps import TargetBatch, block_batch, draft_step, target_step
 
 
@@ -339,8 +339,10 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     rows_R = jnp.arange(num_rows)
     p = batch.sampling
     rows_before = recurrent_rows(state, batch)
-    target_cache, logits, features, layer_inputs = target_step(target, state.target_cache, batch.target,
-                                                               cfg.layer_ids, cfg.kernels, rows_before)
+    # Without drafts a row keeps its one token when it has any remaining: known beforehand
+    known_kept_T = kept_tokens(batch, jnp.minimum(batch.remaining_R, 1)) if num_query == 1 else None
+    target_cache, logits, features, rule_passes = target_step(target, state.target_cache, batch.target,
+                                                              cfg.layer_ids, cfg.kernels, rows_before, known_kept_T)
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
     if cfg.penalizes:
         counts_RV, seen_RV = prefill_token_counts(state, batch)
@@ -371,8 +373,9 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         logprobs = sampling.token_logprobs(raw_logits_RQV, tokens_RQ) if cfg.logprobs else None
     samples_R = batch.remaining_R > 0
     if rows_before is not None:  # the states after the kept tokens only: rejected drafts leave no trace
-        rows_after = advanced_rows(rows_before, layer_inputs, batch.target.rows, batch.target.query_start_loc[:-1],
-                                   kept_tokens(batch, count_R), cfg.kernels)
+        rows_after = states_after(rule_passes) if known_kept_T is not None else advanced_rows(
+            rows_before, rule_passes, batch.target.rows, batch.target.query_start_loc[:-1], kept_tokens(batch, count_R),
+            cfg.kernels)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
             lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
     if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts

@@ -2,11 +2,13 @@
 rule over a ragged batch: each batch row (a prefill chunk or a verify block) continues its own
 request's state.
 
-A verify block advances the state over drafts the target may reject, so a cycle runs the rule
-twice: once over every token of the batch for the outputs (each token sees the state after
-the tokens before it in its row), then, once the accepted lengths are known, over the tokens
-each row keeps (`advancing_T`: a prefill chunk's all, a verify row's anchor and accepted
-drafts) for the state it commits. Rejected drafts leave no trace.
+A verify block advances the state over drafts the target may reject, so a cycle with drafts
+runs the rule twice: once over every token of the batch for the outputs (each token sees the
+state after the tokens before it in its row), then, once the accepted lengths are known, over
+the tokens each row keeps (`advancing_T`: a prefill chunk's all, a verify row's anchor and
+accepted drafts) for the state it commits, from the queries, keys and values the first pass
+kept (`RulePass`). Rejected drafts leave no trace. A step without drafts knows the tokens it
+keeps beforehand, and its one pass leaves the states to commit.
 """
 
 from __future__ import annotations
@@ -44,13 +46,40 @@ class RecurrentState:
                          for _ in layers))
 
 
-def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T, kernels: Kernels, *,
-                outputs: bool = True):
-    """(out [T, value heads, value dim] float32, history [R, taps - 1, C], delta [R, ...]):
-    each token t of batch row `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a
-    prefix of each row's tokens) convolved and run through the rule from its row's state,
-    which advances over those tokens; the other tokens' outputs are zeros, and so are all
-    of them with `outputs=False` (a caller that wants the states alone)."""
+@dataclasses.dataclass(frozen=True)
+class RulePass:
+    """One gated-delta-net layer's rule over a batch, as a commit needs it: the layer's inputs,
+    the queries, keys (prepared) and values the convolution gave, and each row's state after
+    the tokens that advanced it."""
+
+    inputs: RecurrentInputs
+    q_THK: jax.Array
+    k_THK: jax.Array
+    v_THV: jax.Array
+    after: tuple[jax.Array, jax.Array]  # (history [R, taps - 1, C], delta [R, value heads, key dim, value dim])
+
+
+def kept_counts(rows_T, advancing_T, num_rows: int):
+    """int32 [R]: the tokens of each row where `advancing_T`."""
+    return jnp.zeros((num_rows,), jnp.int32).at[rows_T].add(advancing_T.astype(jnp.int32))
+
+
+def history_after(mixed_TC, history_RKC, starts_R, kept_R):
+    """Each row's convolution history after its first `kept_R` tokens: the last taps - 1
+    inputs, from the batch where the row has that many, else partly from its history."""
+    taps, num_tokens = history_RKC.shape[1] + 1, mixed_TC.shape[0]
+    place_RK = kept_R[:, None] - (taps - 1) + jnp.arange(taps - 1)[None, :]  # the new history's places in each row
+    from_history = history_RKC[jnp.arange(starts_R.shape[0])[:, None], jnp.clip(taps - 1 + place_RK, 0, taps - 2)]
+    from_batch = mixed_TC[jnp.clip(starts_R[:, None] + place_RK, 0, num_tokens - 1)]
+    return jnp.where((place_RK >= 0)[..., None], from_batch, from_history)
+
+
+def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
+                kernels: Kernels) -> tuple[jax.Array, RulePass]:
+    """(out [T, value heads, value dim] float32, the pass): each token t of batch row
+    `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
+    tokens) convolved and run through the rule from its row's state, which advances over
+    those tokens; the other tokens' outputs are zeros."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
@@ -62,26 +91,29 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
 
     conv_TC = causal_conv_taps([earlier(taps - 1 - j) for j in range(taps)], inputs.conv_weight_C1K)
     q_THK, k_THK, v_THV = split_heads(conv_TC, cfg)
-    kept_R = jnp.zeros(starts_R.shape, jnp.int32).at[rows_T].add(advancing_T.astype(jnp.int32))
-    out_THV, delta_RHKV = kernels.delta_rule(*prepared_queries_keys(q_THK, k_THK), v_THV.astype(jnp.float32),
-                                             inputs.g_TV, inputs.beta_TV, delta_RHKV.astype(jnp.float32), starts_R,
-                                             starts_R + kept_R, outputs=outputs)
-    place_RK = kept_R[:, None] - (taps - 1) + jnp.arange(taps - 1)[None, :]  # the new history's places in each row
-    history_RKC = jnp.where((place_RK >= 0)[..., None],
-                            inputs.mixed_TC[jnp.clip(starts_R[:, None] + place_RK, 0, num_tokens - 1)],
-                            history_RKC[jnp.arange(starts_R.shape[0])[:, None], jnp.clip(taps - 1 + place_RK, 0,
-                                                                                         taps - 2)])
-    return out_THV, history_RKC, delta_RHKV
+    q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
+    v_THV = v_THV.astype(jnp.float32)
+    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
+    out_THV, delta_RHKV = kernels.delta_rule(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
+                                             delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R)
+    after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
+    return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
 
 
-def advanced_rows(rows: RecurrentState, layer_inputs: tuple[RecurrentInputs, ...], rows_T, starts_R,
-                  advancing_T, kernels: Kernels) -> RecurrentState:
+def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T,
+                  kernels: Kernels) -> RecurrentState:
     """Each batch row's state after the tokens it keeps (`advancing_T`), from `rows` (its
-    state before the batch) and what each layer's rule read in the batch."""
+    state before the batch) and what each layer's rule read in the batch: the rule runs
+    again over those tokens, for the states alone."""
+    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     history, delta = [], []
-    for inputs, history_RKC, delta_RHKV in zip(layer_inputs, rows.history, rows.delta):
-        _, history_RKC, delta_RHKV = ragged_rule(inputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
-                                                 kernels, outputs=False)
-        history.append(history_RKC)
-        delta.append(delta_RHKV)
+    for p, history_RKC, delta_RHKV in zip(passes, rows.history, rows.delta):
+        history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
+        delta.append(kernels.delta_rule(p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, delta_RHKV,
+                                        starts_R, starts_R + kept_R, outputs=False)[1])
     return RecurrentState(tuple(history), tuple(delta))
+
+
+def states_after(passes: tuple[RulePass, ...]) -> RecurrentState:
+    """The rows' states the passes left (when the tokens that advanced them are the ones kept)."""
+    return RecurrentState(tuple(p.after[0] for p in passes), tuple(p.after[1] for p in passes))

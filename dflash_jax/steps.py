@@ -50,23 +50,27 @@ class TargetBatch:
 
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
-                kernels: Kernels, recurrent_rows: RecurrentState | None = None):
-    """(cache, logits [R * Q, V] float32, features [T, F], the gated-delta-net layers' inputs)
-    for one batch, with the (resolved) `kernels`. A hybrid target's gated-delta-net layers
-    run from `recurrent_rows`, each batch row's state before the batch; the state they leave
-    is the caller's to commit (`recurrent_state.advanced_rows` over the tokens kept)."""
+                kernels: Kernels, recurrent_rows: RecurrentState | None = None, advancing_T=None):
+    """(cache, logits [R * Q, V] float32, features [T, F], the gated-delta-net layers'
+    `RulePass`es) for one batch, with the (resolved) `kernels`. A hybrid target's
+    gated-delta-net layers run from `recurrent_rows`, each batch row's state before the batch,
+    and advance it over `advancing_T` (a prefix of each row's tokens; None: every real
+    token); the caller commits the state (`recurrent_state.states_after`, or
+    `advanced_rows` over the tokens kept)."""
     seq_lens_R = _seq_lens(batch)
-    layer_inputs = []
+    passes = []
     cache_layers = {layer: i for i, layer in enumerate(target.cfg.kv_layers)}  # the cache holds attention layers
 
     def attend(layer, heads):
         nonlocal cache
         if isinstance(heads, RecurrentInputs):
-            j = len(layer_inputs)
-            layer_inputs.append(heads)
-            real_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
-            return ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
-                               batch.query_start_loc[:-1], real_T, kernels)[0]
+            j = len(passes)
+            advancing = (jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]) if advancing_T is None \
+                else advancing_T
+            out_THV, rule_pass = ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
+                                             batch.query_start_loc[:-1], advancing, kernels)
+            passes.append(rule_pass)
+            return out_THV
         out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,
                                       q_rows_T=batch.rows, page_table=batch.page_table, seq_lens_R=seq_lens_R,
                                       rule=target.cfg.layer_attention(layer))
@@ -75,7 +79,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     with jax.named_scope("target"):
         hidden_TD, features_TF = target(batch.token_ids, batch.positions, attend, layer_ids=layer_ids, kernels=kernels)
         logits = target.unembed(hidden_TD[batch.logits_rows])
-    return cache, logits, features_TF, tuple(layer_inputs)
+    return cache, logits, features_TF, tuple(passes)
 
 
 def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, kernels: Kernels, *, slots_T,
