@@ -223,3 +223,39 @@ def test_the_moe_variant_decodes_exactly(moe_pair):
 
     hf, target, drafter = moe_pair
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=12)
+
+
+@pytest.mark.slow
+def test_serve_answers_as_generate_does(decoding_pair, tmp_path):
+    """The OpenAI-compatible server on a hybrid target: a greedy completion's tokens are
+    `generate`'s."""
+    import threading
+
+    import openai
+
+    from dflash_jax.serve.cli import ModelInfo, bind, make_server
+    from dflash_jax.tokenizer import ChatTokenizer
+    from test_serve import EOS, write_char_tokenizer
+
+    _, target, drafter, _ = decoding_pair
+    write_char_tokenizer(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    prompt = "Once upon a time"
+    want = dflash_jax.generate(target, drafter, [tokenizer.encode_text(prompt)], max_new_tokens=12, block_size=4,
+                               stop_token_ids=[EOS]).token_ids[0]
+    engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
+    server = make_server(engine, tokenizer, ModelInfo("hybrid", 256, 4), max_queue=4, shutdown_timeout_s=60,
+                         log_level="warning")
+    sock = bind("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert server.ready.wait(60), "the server did not start"
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300) as client:
+            answer = client.completions.create(model="hybrid", prompt=prompt, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == tokenizer.decode([t for t in want if t != EOS]) != ""
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
