@@ -105,7 +105,7 @@ class DecodeState:
             anchor_pos_S=jnp.zeros((num_slots,), jnp.int32),
             output_counts_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), jnp.int32),
             prompt_seen_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), bool),
-            recurrent=RecurrentState.zeros(target.cfg, num_slots, target.dtype),
+            recurrent=RecurrentState.zeros(target.cfg, num_slots, target.dtype, target.mesh),
         )
 
 

@@ -24,13 +24,15 @@ class RecurrentInputs:
     """One gated-delta-net layer's projections, handed to the caller that owns its state
     (as `ProjectedHeads` are for attention): the convolution's input channels [T, C], the
     decay g and write strength beta per value head [T, Hv] (float32), and the layer's
-    convolution weights [C, 1, taps] (HF's `conv1d.weight`)."""
+    convolution weights [C, 1, taps] (HF's `conv1d.weight`); `shards` column groups of
+    [q | k | v] (one per tensor-parallel shard, `shard_layout`)."""
 
     mixed_TC: jax.Array
     g_TV: jax.Array
     beta_TV: jax.Array
     conv_weight_C1K: jax.Array
     cfg: GatedDeltaNetConfig
+    shards: int = 1
 
 
 def causal_conv_taps(taps_TC, weight_C1K):
@@ -71,11 +73,13 @@ def gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, state_HKV):
     return out_THV, state_1HKV[0]
 
 
-def split_heads(conv_out_TC, cfg: GatedDeltaNetConfig):
-    """(q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv]) of the convolution's output channels."""
-    key_width = cfg.num_key_heads * cfg.key_head_dim
-    q, k, v = jnp.split(conv_out_TC, [key_width, 2 * key_width], axis=-1)
+def split_heads(conv_out_TC, cfg: GatedDeltaNetConfig, shards: int = 1):
+    """(q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv]) of the convolution's output channels,
+    laid out as `shards` groups of [q | k | v] of consecutive heads."""
     num_tokens = conv_out_TC.shape[0]
+    key_width = cfg.num_key_heads * cfg.key_head_dim // shards
+    grouped = conv_out_TC.reshape(num_tokens, shards, -1)
+    q, k, v = jnp.split(grouped, [key_width, 2 * key_width], axis=-1)
     return (q.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim),
             k.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim),
             v.reshape(num_tokens, cfg.num_value_heads, cfg.value_head_dim))
@@ -88,5 +92,5 @@ def recur_from_zero(inputs: RecurrentInputs):
     history = jnp.zeros((cfg.conv_kernel_size - 1, cfg.conv_dim), inputs.mixed_TC.dtype)
     conv_out_TC, _ = causal_conv(inputs.mixed_TC, inputs.conv_weight_C1K, history)
     state = jnp.zeros((cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32)
-    out, _ = gated_delta_rule(*split_heads(conv_out_TC, cfg), inputs.g_TV, inputs.beta_TV, state)
+    out, _ = gated_delta_rule(*split_heads(conv_out_TC, cfg, inputs.shards), inputs.g_TV, inputs.beta_TV, state)
     return out

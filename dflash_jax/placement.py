@@ -14,7 +14,8 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.experts import RoutedExperts
 from dflash_jax.layers import MLP, Attention
 from dflash_jax.models import Drafter, Target, abstract_model
-from dflash_jax.shard_layout import sharded_config, to_shard_layout
+from dflash_jax.models.gated_delta_net import GatedDeltaNet
+from dflash_jax.shard_layout import linear_attention_shards, sharded_config, to_shard_layout
 from dflash_jax.sharding import param_spec, tensor_parallel_size
 
 
@@ -47,6 +48,8 @@ def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Me
         for _, module in nnx.iter_graph(model):
             if isinstance(module, (Attention, MLP)):
                 module.shards = shards
+            elif isinstance(module, GatedDeltaNet):
+                module.shards = linear_attention_shards(cfg, shards)
             elif isinstance(module, RoutedExperts):
                 module.mesh = mesh
     return model

@@ -19,9 +19,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from dflash_jax.config_types import TargetConfig
 from dflash_jax.gated_delta_rule import RecurrentInputs, causal_conv_taps, prepared_queries_keys, split_heads
 from dflash_jax.kernels import Kernels
+from dflash_jax.shard_layout import linear_attention_shards
+from dflash_jax.sharding import MODEL
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["history", "delta"], meta_fields=[])
@@ -35,15 +39,23 @@ class RecurrentState:
     delta: tuple[jax.Array, ...]
 
     @classmethod
-    def zeros(cls, cfg: TargetConfig, num_slots: int, dtype) -> RecurrentState | None:
-        """A zero state for `num_slots` slots, or None for a target without such layers."""
+    def zeros(cls, cfg: TargetConfig, num_slots: int, dtype, mesh: Mesh | None = None) -> RecurrentState | None:
+        """A zero state for `num_slots` slots, or None for a target without such layers; on
+        `mesh`, split by head as the layers' heads are (the histories by channel group) when
+        the heads divide among its shards, else whole on every device."""
         la = cfg.linear_attention
         if la is None:
             return None
-        layers = range(len(la.layers))  # an array per layer: each is donated on its own
-        return cls(tuple(jnp.zeros((num_slots, la.conv_kernel_size - 1, la.conv_dim), dtype) for _ in layers),
-                   tuple(jnp.zeros((num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim), jnp.float32)
-                         for _ in layers))
+        history = jax.ShapeDtypeStruct((num_slots, la.conv_kernel_size - 1, la.conv_dim), dtype)
+        delta = jax.ShapeDtypeStruct((num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim), jnp.float32)
+
+        split = mesh is not None and linear_attention_shards(cfg, mesh.shape[MODEL]) > 1
+
+        def zeros(shape, spec):  # an array per layer: each is donated on its own
+            sharding = None if mesh is None else NamedSharding(mesh, spec if split else PartitionSpec())
+            return tuple(jnp.zeros(shape.shape, shape.dtype, device=sharding) for _ in la.layers)
+
+        return cls(zeros(history, PartitionSpec(None, None, MODEL)), zeros(delta, PartitionSpec(None, MODEL)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +102,7 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
         return jnp.where((index_T >= offset)[:, None], in_batch, from_history)
 
     conv_TC = causal_conv_taps([earlier(taps - 1 - j) for j in range(taps)], inputs.conv_weight_C1K)
-    q_THK, k_THK, v_THV = split_heads(conv_TC, cfg)
+    q_THK, k_THK, v_THV = split_heads(conv_TC, cfg, inputs.shards)
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
     v_THV = v_THV.astype(jnp.float32)
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])

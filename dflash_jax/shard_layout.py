@@ -61,6 +61,25 @@ def qkv_columns(cfg: TargetConfig | DrafterConfig, shards: int) -> np.ndarray:
     return (np.asarray(heads)[:, None] * h + np.arange(h)).reshape(-1)
 
 
+def linear_attention_shards(cfg: TargetConfig | DrafterConfig, shards: int) -> int:
+    """The groups a target's gated-delta-net heads split into on `shards` shards: `shards`
+    when its key and value heads both divide by it, else 1 (those layers then run whole on
+    every shard, as XLA partitions them)."""
+    la = getattr(cfg, "linear_attention", None)
+    return shards if la is not None and la.num_key_heads % shards == 0 == la.num_value_heads % shards else 1
+
+
+def conv_columns(cfg: TargetConfig, shards: int) -> np.ndarray:
+    """Indices into a one-device gated-delta-net `in_proj_qkv`'s columns (and its convolution's
+    channels), [q | k | v], in the order of the `shards` layout: per shard the q, k and v
+    columns of its key and value heads."""
+    la = cfg.linear_attention
+    q_width, v_width = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    q_step, v_step = q_width // shards, v_width // shards
+    return np.concatenate([np.r_[s * q_step: (s + 1) * q_step, q_width + s * q_step: q_width + (s + 1) * q_step,
+                                 2 * q_width + s * v_step: 2 * q_width + (s + 1) * v_step] for s in range(shards)])
+
+
 def gate_up_columns(intermediate: int, shards: int) -> np.ndarray:
     """Indices into a one-device `gate_up_proj`'s columns, in the order of the `shards` layout."""
     width = intermediate // shards
@@ -76,6 +95,7 @@ def to_shard_layout(cfg: TargetConfig | DrafterConfig, params: dict, shards: int
     if shards == 1:
         return params
     qkv, gate_up = qkv_columns(cfg, shards), gate_up_columns(cfg.intermediate_size, shards)
+    conv = conv_columns(cfg, linear_attention_shards(cfg, shards)) if getattr(cfg, "linear_attention", None) else None
 
     def reorder(tree: dict, name: str | None = None) -> dict:
         out = {}
@@ -86,6 +106,10 @@ def to_shard_layout(cfg: TargetConfig | DrafterConfig, params: dict, shards: int
                 out[key] = np.asarray(value)[..., qkv]
             elif name == "gate_up_proj":
                 out[key] = np.asarray(value)[..., gate_up]
+            elif name == "in_proj_qkv":
+                out[key] = np.asarray(value)[..., conv]
+            elif key == "conv1d_weight":
+                out[key] = np.asarray(value)[conv]
             else:
                 out[key] = value
         return out

@@ -30,6 +30,7 @@ from dflash_jax.buckets import Program  # noqa: E402
 from dflash_jax.config import DFlash2Config, parse_config  # noqa: E402
 from dflash_jax.models import Drafter, Target  # noqa: E402
 from dflash_jax.placement import place_model  # noqa: E402
+from dflash_jax.recurrent_state import RecurrentState  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(20, 37))]
 
@@ -258,19 +259,30 @@ def dflash2() -> dict:
 
 def qwen3_5() -> dict:
     """Greedy tokens and accepted lengths of a Qwen3.5 target (a gated-delta-net layer, then a
-    gated attention layer) at TP 1, 2 and 4, and its autoregressive tokens at TP 1."""
-    cfg = parse_config(dict(
+    gated attention layer) at TP 1, 2 and 4, its autoregressive tokens at TP 1, and the
+    devices each holds a slice of the linear-attention heads' parameters and state on."""
+    raw = dict(
         architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_num_key_heads=4, linear_num_value_heads=8,
         linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-    ))
+    )
+    cfg = parse_config(raw)
     out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=12).token_ids}
     for tp in (1, 2, 4):
-        spec = generate(*models(cfg, tp), PROMPTS, max_new_tokens=12)
+        target, drafter = models(cfg, tp)
+        spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
         out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
+        mixer = target.layers[0].linear_attn
+        state = RecurrentState.zeros(target.cfg, 2, target.dtype, target.mesh)
+        out[f"split {tp}"] = [len({shard.data.shape for shard in x.addressable_shards}) == 1
+                              and x.addressable_shards[0].data.shape != x.shape
+                              for x in (mixer.in_proj_qkv.kernel[...], mixer.out_proj.kernel[...],
+                                        state.delta[0], state.history[0])]
+    few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
+    out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 4)]
     return out
 
 

@@ -51,11 +51,16 @@ def test_dflash2_drafters_decode_alike_at_every_tensor_parallel_size():
 
 @pytest.mark.slow
 def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
-    """Its drafts are all rejected here: every cycle's state is rolled back to the anchor."""
+    """Its drafts are all rejected here: every cycle's state is rolled back to the anchor. The
+    linear-attention heads split like attention heads: each device holds a slice of their
+    projections and of every request's state; heads too few to split run whole."""
     out = run_case("qwen3_5")
     assert out["1"][0] == out["ar"]
+    assert out["split 1"] == [False] * 4  # one device holds everything
     for tp in ("2", "4"):
         assert out[tp] == out["1"], tp
+        assert out[f"split {tp}"] == [True] * 4, tp
+    assert out["few heads"][1] == out["few heads"][0]
 
 
 @pytest.mark.slow

@@ -18,21 +18,25 @@ from dflash_jax.layers import MLP, RMSNorm, apply_linear, linear
 class GatedDeltaNet(nnx.Module):
     """The mixer: [q | k | v] for the convolution, the output gate z, the write strength
     beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias) per value head; after
-    the rule, an RMSNorm per value head times silu(z), then `out_proj`."""
+    the rule, an RMSNorm per value head times silu(z), then `out_proj`. On a mesh its heads
+    split like attention heads: the convolution's channels in `shards` groups of
+    [q | k | v] of a shard's heads (`shard_layout`), the value heads' columns in order."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         la = self.cfg = cfg.linear_attention
         d, value_width = cfg.hidden_size, la.num_value_heads * la.value_head_dim
-        self.in_proj_qkv = linear(d, la.conv_dim, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_z = linear(d, value_width, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_b = linear(d, la.num_value_heads, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_a = linear(d, la.num_value_heads, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_qkv = linear(d, la.conv_dim, ("embed", "qkv_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_z = linear(d, value_width, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_b = linear(d, la.num_value_heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_a = linear(d, la.num_value_heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
         self.conv1d_weight = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), (la.conv_dim, 1, la.conv_kernel_size),
-                                                                   dtype))
-        self.dt_bias = nnx.Param(jnp.ones((la.num_value_heads,), dtype))
-        self.A_log = nnx.Param(jnp.zeros((la.num_value_heads,), dtype))
+                                                                   dtype), out_sharding=("qkv_heads", None, None),
+                                       eager_sharding=False)
+        self.dt_bias = nnx.Param(jnp.ones((la.num_value_heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
+        self.A_log = nnx.Param(jnp.zeros((la.num_value_heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
         self.norm = RMSNorm(la.value_head_dim, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-        self.out_proj = linear(value_width, d, (None, "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.shards = 1  # column groups of in_proj_qkv and conv1d_weight: [q_g | k_g | v_g] per shard g
 
     def project(self, h_TD, kernels: Kernels = REFERENCE) -> tuple[RecurrentInputs, jax.Array]:
         """(the recurrence's inputs, the output gate z [T, Hv, value dim])."""
@@ -40,7 +44,8 @@ class GatedDeltaNet(nnx.Module):
         a_TV = apply_linear(self.in_proj_a, h_TD, kernels).astype(jnp.float32)
         g_TV = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_TV + self.dt_bias[...].astype(jnp.float32))
         beta_TV = jax.nn.sigmoid(apply_linear(self.in_proj_b, h_TD, kernels).astype(jnp.float32))
-        inputs = RecurrentInputs(apply_linear(self.in_proj_qkv, h_TD, kernels), g_TV, beta_TV, self.conv1d_weight[...], la)
+        inputs = RecurrentInputs(apply_linear(self.in_proj_qkv, h_TD, kernels), g_TV, beta_TV, self.conv1d_weight[...], la,
+                                 self.shards)
         z = apply_linear(self.in_proj_z, h_TD, kernels).reshape(h_TD.shape[0], la.num_value_heads, la.value_head_dim)
         return inputs, z
 
