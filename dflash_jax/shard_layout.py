@@ -27,10 +27,13 @@ def kv_heads_on(cfg: TargetConfig | DrafterConfig, shards: int) -> int:
     """The kv heads a model has on `shards` tensor-parallel shards (its own, or one per
     shard when it has fewer), or ConfigError if its heads cannot be split that way."""
     what = "target" if isinstance(cfg, TargetConfig) else "drafter"
-    if cfg.num_heads % shards or cfg.intermediate_size % shards:
+    experts = getattr(cfg, "experts", None)
+    shared = (experts.shared_intermediate_size or 0) if experts is not None else 0  # a shared expert's MLP width
+    if cfg.num_heads % shards or cfg.intermediate_size % shards or shared % shards:
         raise ConfigError(
-            f"the {what}'s {cfg.num_heads} attention heads and {cfg.intermediate_size} MLP columns must both "
-            f"divide by the tensor-parallel size {shards}; pick a size that divides them."
+            f"the {what}'s {cfg.num_heads} attention heads and {cfg.intermediate_size} MLP columns"
+            f"{f' (shared expert: {shared})' if shared else ''} must all divide by the tensor-parallel size "
+            f"{shards}; pick a size that divides them."
         )
     if cfg.num_kv_heads % shards == 0:
         return cfg.num_kv_heads
@@ -94,7 +97,7 @@ def to_shard_layout(cfg: TargetConfig | DrafterConfig, params: dict, shards: int
     in the `shards` layout; other parameters are the same arrays."""
     if shards == 1:
         return params
-    qkv, gate_up = qkv_columns(cfg, shards), gate_up_columns(cfg.intermediate_size, shards)
+    qkv = qkv_columns(cfg, shards)
     conv = conv_columns(cfg, linear_attention_shards(cfg, shards)) if getattr(cfg, "linear_attention", None) else None
 
     def reorder(tree: dict, name: str | None = None) -> dict:
@@ -104,8 +107,8 @@ def to_shard_layout(cfg: TargetConfig | DrafterConfig, params: dict, shards: int
                 out[key] = reorder(value, key)
             elif name == "qkv_proj":
                 out[key] = np.asarray(value)[..., qkv]
-            elif name == "gate_up_proj":
-                out[key] = np.asarray(value)[..., gate_up]
+            elif name == "gate_up_proj":  # a dense layer's, or a shared expert's of its own width
+                out[key] = np.asarray(value)[..., gate_up_columns(np.shape(value)[-1] // 2, shards)]
             elif name == "in_proj_qkv":
                 out[key] = np.asarray(value)[..., conv]
             elif key == "conv1d_weight":

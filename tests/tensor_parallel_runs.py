@@ -260,7 +260,8 @@ def dflash2() -> dict:
 def qwen3_5() -> dict:
     """Greedy tokens and accepted lengths of a Qwen3.5 target (a gated-delta-net layer, then a
     gated attention layer) at TP 1, 2 and 4, its autoregressive tokens at TP 1, and the
-    devices each holds a slice of the linear-attention heads' parameters and state on."""
+    devices each holds a slice of the linear-attention heads' parameters and state on; the
+    greedy tokens of its MoE variant at TP 1 and 2."""
     raw = dict(
         architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -283,6 +284,9 @@ def qwen3_5() -> dict:
                                         state.delta[0], state.history[0])]
     few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
     out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 4)]
+    moe = parse_config({**raw, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
+    out["moe"] = [generate(*models(moe, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 2)]
     return out
 
 

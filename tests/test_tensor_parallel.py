@@ -61,6 +61,7 @@ def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[tp] == out["1"], tp
         assert out[f"split {tp}"] == [True] * 4, tp
     assert out["few heads"][1] == out["few heads"][0]
+    assert out["moe"][1] == out["moe"][0]  # experts split over "model" beside the linear heads
 
 
 @pytest.mark.slow
