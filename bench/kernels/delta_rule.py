@@ -1,0 +1,78 @@
+"""The gated delta rule of one Qwen3.5-9B gated-delta-net layer on the GPU, per call: the
+Pallas kernel (the token walk alone, and whole chunks first) against the jnp reference, at
+decode (rows of 1 token), verify (rows of 16) and prefill (one row of many tokens) shapes.
+
+    python -m bench.kernels.delta_rule --out $OUT/delta_rule.json
+    python -m bench.kernels.delta_rule --small --out /tmp/dr.json   # CPU smoke test (interpret mode)
+
+Reports us per call and, for the kernel, the state's bytes read and written over the time
+(each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench import harness
+from bench.shapes import MODELS
+
+
+def main(argv=None):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.config import parse_config
+    from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_output_arguments(parser, out_default="delta_rule.json")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (small-qwen3_5): a CPU smoke test")
+    parser.add_argument("--shapes", default="1x1,1x16,32x1,32x16,1x1024,1x8192",
+                        help="rows x tokens per row, comma separated")
+    parser.add_argument("--reference-limit", type=int, default=1024, help="the reference's most tokens per call")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    record = harness.Record(__spec__.name, args, argv)
+    la = parse_config(MODELS["small-qwen3_5" if args.small else "qwen3_5-9b"].target).linear_attention
+    Hk, Hv, K, V = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    if args.small:
+        shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
+    interpret = jax.default_backend() != "gpu"
+    variants = {
+        "pallas-tokens": functools.partial(delta_rule_pallas, chunk=0, interpret=interpret),
+        "pallas-chunks": functools.partial(delta_rule_pallas, interpret=interpret),
+        "reference": delta_rule_reference,
+    }
+    key = jax.random.key(0)
+    results = []
+    for rows, per_row in shapes:
+        T = rows * per_row
+        key, *keys = jax.random.split(key, 7)
+        q, k = (jax.random.normal(keys[i], (T, Hk, K), jnp.float32) for i in (0, 1))
+        q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+        v = jax.random.normal(keys[2], (T, Hv, V), jnp.float32)
+        g = -jnp.abs(jax.random.normal(keys[3], (T, Hv))) * 0.1
+        beta = jax.random.uniform(keys[4], (T, Hv))
+        state = jax.random.normal(keys[5], (rows, Hv, K, V), jnp.float32) * 0.1
+        starts = jnp.arange(rows, dtype=jnp.int32) * per_row
+        for name, rule in variants.items():
+            if name == "reference" and T > args.reference_limit:
+                continue
+            call = jax.jit(lambda *a, rule=rule: rule(*a, starts, starts + per_row))
+            timing = harness.time_calls(lambda: call(q, k, v, g, beta, state), reps=args.reps)
+            seconds = timing.median_s
+            results.append(dict(rows=rows, tokens_per_row=per_row, variant=name, us=seconds * 1e6,
+                                state_TBps=2 * state.nbytes / seconds / 1e12))
+            print(json.dumps(results[-1]), flush=True)
+    record.write(dict(heads=dict(key=Hk, value=Hv, key_dim=K, value_dim=V), timings=results))
+    print(f"\n{'rows':>5} {'tokens':>7} {'variant':<14} {'us':>10} {'state TB/s':>10}")
+    for r in results:
+        print(f"{r['rows']:>5} {r['tokens_per_row']:>7} {r['variant']:<14} {r['us']:10.1f} {r['state_TBps']:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
