@@ -43,23 +43,6 @@ def test_kernel_computes_its_reference(rows, block_v):
     np.testing.assert_array_equal(states_only, got_state)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_prefill_rows_in_chunks_compute_the_reference(chunk):
-    """Rows of a chunk or more take their whole chunks in the chunked form, then their last
-    tokens one by one; rows shorter than a chunk beside them stay exact."""
-    rng = np.random.default_rng(chunk)
-    rows = ((0, 150), (150, 151), (151, 160), (160, 160))
-    starts, ends = (jnp.asarray(x, jnp.int32) for x in zip(*rows))
-    inputs = random_inputs(rng, T=164, R=len(rows))
-    want_out, want_state = delta_rule_reference(*inputs, starts, ends)
-    got_out, got_state = delta_rule_pallas(*inputs, starts, ends, chunk=chunk, interpret=True)
-    np.testing.assert_allclose(got_out, want_out, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got_state, want_state, rtol=1e-4, atol=1e-4)
-    token_out, token_state = delta_rule_pallas(*inputs, starts, ends, chunk=0, interpret=True)
-    np.testing.assert_array_equal(got_out[150:], token_out[150:])  # short rows: the token walk, bit for bit
-    np.testing.assert_array_equal(got_state[1:], token_state[1:])
-
-
 def test_reference_matches_transformers_recurrent_form():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
@@ -106,7 +89,6 @@ def test_gpu_compiled_kernel_matches_reference(block_v):
     inputs = random_inputs(rng, T=320, R=len(rows), Hk=16, Hv=32, dk=128, dv=128)
     with jax.default_matmul_precision("highest"):
         want_out, want_state = delta_rule_reference(*inputs, starts, ends)
-    for chunk in (0, 64):  # the token walk only; whole chunks of the 283-token row first
-        got_out, got_state = delta_rule_pallas(*inputs, starts, ends, block_v=block_v, chunk=chunk, interpret=False)
-        np.testing.assert_allclose(got_out, want_out, rtol=2e-4, atol=2e-4, err_msg=f"chunk {chunk}")
-        np.testing.assert_allclose(got_state, want_state, rtol=2e-4, atol=2e-4, err_msg=f"chunk {chunk}")
+    got_out, got_state = delta_rule_pallas(*inputs, starts, ends, block_v=block_v, interpret=False)
+    np.testing.assert_allclose(got_out, want_out, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(got_state, want_state, rtol=2e-4, atol=2e-4)

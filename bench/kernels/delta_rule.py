@@ -1,6 +1,6 @@
 """The gated delta rule of one Qwen3.5-9B gated-delta-net layer on the GPU, per call: the
-Pallas kernel (the token walk alone, and whole chunks first) against the jnp reference, at
-decode (rows of 1 token), verify (rows of 16) and prefill (one row of many tokens) shapes.
+Pallas kernel against the jnp reference, at decode (rows of 1 token), verify (rows of 16)
+and prefill (one row of many tokens) shapes.
 
     python -m bench.kernels.delta_rule --out $OUT/delta_rule.json
     python -m bench.kernels.delta_rule --small --out /tmp/dr.json   # CPU smoke test (interpret mode)
@@ -42,11 +42,7 @@ def main(argv=None):
     if args.small:
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
-    variants = {
-        "pallas-tokens": functools.partial(delta_rule_pallas, chunk=0, interpret=interpret),
-        "pallas-chunks": functools.partial(delta_rule_pallas, interpret=interpret),
-        "reference": delta_rule_reference,
-    }
+    variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference}
     key = jax.random.key(0)
     results = []
     for rows, per_row in shapes:
