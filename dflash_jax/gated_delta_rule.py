@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dflash_jax.config_types import GatedDeltaNetConfig
 from pallas_kernels.delta_rule import delta_rule_reference
@@ -25,7 +26,7 @@ class RecurrentInputs:
     (as `ProjectedHeads` are for attention): the convolution's input channels [T, C], the
     decay g and write strength beta per value head [T, Hv] (float32), and the layer's
     convolution weights [C, 1, taps] (HF's `conv1d.weight`); `shards` column groups of
-    [q | k | v] (one per tensor-parallel shard, `shard_layout`)."""
+    [q | k | v] (one per tensor-parallel shard of `mesh`, `shard_layout`; 1: heads whole)."""
 
     mixed_TC: jax.Array
     g_TV: jax.Array
@@ -33,6 +34,7 @@ class RecurrentInputs:
     conv_weight_C1K: jax.Array
     cfg: GatedDeltaNetConfig
     shards: int = 1
+    mesh: Mesh | None = None
 
 
 def causal_conv_taps(taps_TC, weight_C1K):

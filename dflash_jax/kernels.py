@@ -5,9 +5,9 @@ DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/
 write), the 8-bit weights' product, the routed experts' product and the gated delta rule
 (hybrid targets' linear attention). "auto" has one meaning for all seven: the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
-mode); the 8-bit product and the delta rule on a mesh are the references (XLA partitions
-them; a Pallas call it could not), while the experts' kernel runs per device inside the
-expert split. `resolve()` replaces "auto" by what it means on this backend; the resolved value
+mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
+could not), while the experts' kernel runs per device inside the expert split and the delta
+rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()` replaces "auto" by what it means on this backend; the resolved value
 travels in each program's static configuration, so it is part of the jit cache key and a
 different choice compiles a different program. Nothing here reads the environment: a caller
 that wants environment defaults (the CLI) reads them itself.
@@ -82,13 +82,13 @@ class Kernels:
     def resolve(self, mesh=None) -> Kernels:
         """This value with "auto" replaced by what it means on the default backend, for models
         placed on `mesh` (None: one device)."""
-        for name, kernel in (("quantized", "8-bit product"), ("recurrence", "delta rule")):
-            if mesh is not None and getattr(self, name) == "pallas":
-                raise ValueError(f"the Pallas {kernel} runs on one device; on a mesh use {name}=reference (or auto).")
+        if mesh is not None and self.quantized == "pallas":
+            raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
+                             "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if on_gpu else "reference" for name in CHOICES}
         if mesh is not None:
-            auto["quantized"] = auto["recurrence"] = "reference"
+            auto["quantized"] = "reference"
         return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
                           for name in CHOICES})
 

@@ -50,6 +50,7 @@ def place_model(cfg: TargetConfig | DrafterConfig, dtype, params: dict, mesh: Me
                 module.shards = shards
             elif isinstance(module, GatedDeltaNet):
                 module.shards = linear_attention_shards(cfg, shards)
+                module.mesh = mesh
             elif isinstance(module, RoutedExperts):
                 module.mesh = mesh
     return model

@@ -25,7 +25,8 @@ from dflash_jax.config_types import TargetConfig
 from dflash_jax.gated_delta_rule import RecurrentInputs, causal_conv_taps, prepared_queries_keys, split_heads
 from dflash_jax.kernels import Kernels
 from dflash_jax.shard_layout import linear_attention_shards
-from dflash_jax.sharding import MODEL
+from dflash_jax.sharding import MODEL, per_shard
+from pallas_kernels.delta_rule import delta_rule_reference
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["history", "delta"], meta_fields=[])
@@ -71,6 +72,24 @@ class RulePass:
     after: tuple[jax.Array, jax.Array]  # (history [R, taps - 1, C], delta [R, value heads, key dim, value dim])
 
 
+def delta_rule(inputs: RecurrentInputs, kernels: Kernels, *, outputs: bool = True):
+    """`kernels.delta_rule` for the layer of `inputs`: where its heads are split over a mesh,
+    run once per shard on the shard's heads (the Pallas kernel included); heads left whole
+    on a mesh take the reference, which XLA partitions."""
+    if inputs.mesh is None:
+        return functools.partial(kernels.delta_rule, outputs=outputs)
+    if inputs.shards == 1:
+        return functools.partial(delta_rule_reference, outputs=outputs)
+
+    def local(q_THK, k_THK, v_THV, g_TV1, beta_TV1, delta_RHKV, shared):
+        return kernels.delta_rule(q_THK, k_THK, v_THV, g_TV1[..., 0], beta_TV1[..., 0], delta_RHKV, *shared,
+                                  outputs=outputs)
+
+    split = per_shard(inputs.mesh, local, 6)
+    return lambda q, k, v, g, beta, delta, starts, ends: split(q, k, v, g[..., None], beta[..., None], delta,
+                                                               (starts, ends))
+
+
 def kept_counts(rows_T, advancing_T, num_rows: int):
     """int32 [R]: the tokens of each row where `advancing_T`."""
     return jnp.zeros((num_rows,), jnp.int32).at[rows_T].add(advancing_T.astype(jnp.int32))
@@ -106,8 +125,8 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
     v_THV = v_THV.astype(jnp.float32)
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
-    out_THV, delta_RHKV = kernels.delta_rule(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
-                                             delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R)
+    out_THV, delta_RHKV = delta_rule(inputs, kernels)(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
+                                                      delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R)
     after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
     return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
 
@@ -121,8 +140,9 @@ def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, st
     history, delta = [], []
     for p, history_RKC, delta_RHKV in zip(passes, rows.history, rows.delta):
         history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
-        delta.append(kernels.delta_rule(p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, delta_RHKV,
-                                        starts_R, starts_R + kept_R, outputs=False)[1])
+        delta.append(delta_rule(p.inputs, kernels, outputs=False)(p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV,
+                                                                  p.inputs.beta_TV, delta_RHKV, starts_R,
+                                                                  starts_R + kept_R)[1])
     return RecurrentState(tuple(history), tuple(delta))
 
 

@@ -276,6 +276,9 @@ def qwen3_5() -> dict:
         target, drafter = models(cfg, tp)
         spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
         out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
+        if tp == 2:  # the Pallas rule (interpret mode) once per shard of the heads
+            out["pallas 2"] = generate(target, drafter, PROMPTS, max_new_tokens=12,
+                                       kernels=Kernels(recurrence="pallas")).token_ids
         mixer = target.layers[0].linear_attn
         state = RecurrentState.zeros(target.cfg, 2, target.dtype, target.mesh)
         out[f"split {tp}"] = [len({shard.data.shape for shard in x.addressable_shards}) == 1
@@ -283,7 +286,8 @@ def qwen3_5() -> dict:
                               for x in (mixer.in_proj_qkv.kernel[...], mixer.out_proj.kernel[...],
                                         state.delta[0], state.history[0])]
     few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
-    out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 4)]
+    out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12, kernels=Kernels(recurrence="pallas"))
+                        .token_ids for tp in (1, 4)]
     moe = parse_config({**raw, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
     out["moe"] = [generate(*models(moe, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 2)]

@@ -53,13 +53,15 @@ def test_dflash2_drafters_decode_alike_at_every_tensor_parallel_size():
 def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
     """Its drafts are all rejected here: every cycle's state is rolled back to the anchor. The
     linear-attention heads split like attention heads: each device holds a slice of their
-    projections and of every request's state; heads too few to split run whole."""
+    projections and of every request's state, and the Pallas rule runs per shard; heads too
+    few to split run whole (the rule's reference, whatever the choice)."""
     out = run_case("qwen3_5")
     assert out["1"][0] == out["ar"]
     assert out["split 1"] == [False] * 4  # one device holds everything
     for tp in ("2", "4"):
         assert out[tp] == out["1"], tp
         assert out[f"split {tp}"] == [True] * 4, tp
+    assert out["pallas 2"] == out["1"][0]
     assert out["few heads"][1] == out["few heads"][0]
     assert out["moe"][1] == out["moe"][0]  # experts split over "model" beside the linear heads
 

@@ -37,6 +37,7 @@ class GatedDeltaNet(nnx.Module):
         self.norm = RMSNorm(la.value_head_dim, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
         self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
         self.shards = 1  # column groups of in_proj_qkv and conv1d_weight: [q_g | k_g | v_g] per shard g
+        self.mesh = None  # the mesh the model is placed on (its heads split when shards > 1)
 
     def project(self, h_TD, kernels: Kernels = REFERENCE) -> tuple[RecurrentInputs, jax.Array]:
         """(the recurrence's inputs, the output gate z [T, Hv, value dim])."""
@@ -45,7 +46,7 @@ class GatedDeltaNet(nnx.Module):
         g_TV = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_TV + self.dt_bias[...].astype(jnp.float32))
         beta_TV = jax.nn.sigmoid(apply_linear(self.in_proj_b, h_TD, kernels).astype(jnp.float32))
         inputs = RecurrentInputs(apply_linear(self.in_proj_qkv, h_TD, kernels), g_TV, beta_TV, self.conv1d_weight[...], la,
-                                 self.shards)
+                                 self.shards, self.mesh)
         z = apply_linear(self.in_proj_z, h_TD, kernels).reshape(h_TD.shape[0], la.num_value_heads, la.value_head_dim)
         return inputs, z
 
