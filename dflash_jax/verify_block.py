@@ -47,23 +47,35 @@ def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def mixer_params(cfg: TargetConfig, layer: int) -> int:
+    """The parameters of layer `layer`'s token mixer: attention's q (and its output gate), k,
+    v and o, or a gated-delta-net layer's [q | k | v], z, a, b and out projections."""
+    D, H = cfg.hidden_size, cfg.head_dim
+    if cfg.is_linear_attention(layer):
+        la = cfg.linear_attention
+        value_heads = la.num_value_heads
+        return D * (la.conv_dim + 2 * value_heads * la.value_head_dim + 2 * value_heads)
+    gate = cfg.num_heads if cfg.attention_output_gate else 0
+    return D * H * (2 * cfg.num_heads + gate + 2 * cfg.num_kv_heads)
+
+
 def pass_cost(cfg: TargetConfig, tokens: int, itemsize: int = 2, roofline: Roofline = Roofline()) -> dict:
     """What one target pass over `tokens` tokens reads and computes: "bytes", "flops" (weights
     only: the KV cache's share grows with the context, not with the block) and "seconds"."""
-    D, H = cfg.hidden_size, cfg.head_dim
-    attention = D * H * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    D = cfg.hidden_size
     dense_mlp = 3 * D * cfg.intermediate_size
     head = cfg.vocab_size * D
     weights, active, sparse = head, head, 0  # parameters read, used per token; sparse layers
     for layer in range(cfg.num_layers):
         experts = cfg.layer_experts(layer)
-        weights, active = weights + attention, active + attention
+        mixer = mixer_params(cfg, layer)
+        weights, active = weights + mixer, active + mixer
         if experts is None:
             weights, active = weights + dense_mlp, active + dense_mlp
             continue
         sparse += 1
         per_expert = 3 * D * experts.intermediate_size
-        router = D * experts.num_experts
+        router = D * experts.num_experts + (3 * D + 1) * (experts.shared_intermediate_size or 0)  # and a shared expert
         weights += router + per_expert * experts_touched(experts.num_experts, experts.top_k, tokens)
         active += router + per_expert * experts.top_k
     nbytes, flops = weights * itemsize, 2 * active * tokens

@@ -44,6 +44,34 @@ def test_a_moe_pass_reads_more_experts_as_tokens_grow_a_dense_one_does_not():
     assert pass_cost(QWEN3_8B, 512)["seconds"] > pass_cost(QWEN3_8B, 16)["seconds"]  # compute-bound at last
 
 
+@pytest.mark.parametrize("shape", ["small-qwen3_5", "small-qwen3_5-moe", "small-moe"])
+def test_a_pass_reads_the_weights_the_model_holds(shape):
+    """At one token a pass reads every dense weight and top_k experts of each sparse layer:
+    against the model's own parameters (embedding, norms, convolutions and decays aside)."""
+    from flax import nnx
+
+    from dflash_jax.models import abstract_model
+
+    raw = MODELS["small-qwen3_5"].target if shape != "small-moe" else SMALL_MOE
+    if shape == "small-qwen3_5-moe":
+        raw = dict(raw, architectures=["Qwen3_5MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    cfg = parse_config(raw)
+    _, state = nnx.split(abstract_model(cfg, np.float32))
+    held = routed = 0
+    for path, variable in nnx.to_flat_state(state):
+        name = "/".join(map(str, path))
+        if "embed_tokens" in name or "norm" in name or name.endswith(("conv1d_weight", "dt_bias", "A_log")):
+            continue
+        size = int(np.prod(variable.shape))
+        routed += size if path[-1] in ("gate_up", "down") else 0  # the routed experts' stacked matrices
+        held += size
+    experts = cfg.experts
+    if experts is not None:  # the pass reads top_k of every sparse layer's experts at one token
+        held += routed * (experts_touched(experts.num_experts, experts.top_k, 1) / experts.num_experts - 1)
+    assert pass_cost(cfg, 1, itemsize=1)["bytes"] == pytest.approx(held, rel=1e-3)
+
+
 def test_default_block_follows_cost_acceptance_and_batch():
     assert candidate_block_sizes(16) == [4, 8, 16] and candidate_block_sizes(6) == [4, 6]
     low = default_block_size(QWEN3_30B_A3B, 16, batch=1, acceptance=0.73)
