@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.config_types import TargetConfig
@@ -49,7 +48,6 @@ class RecurrentState:
             return None
         history = jax.ShapeDtypeStruct((num_slots, la.conv_kernel_size - 1, la.conv_dim), dtype)
         delta = jax.ShapeDtypeStruct((num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim), jnp.float32)
-
         split = mesh is not None and linear_attention_shards(cfg, mesh.shape[MODEL]) > 1
 
         def zeros(shape, spec):  # an array per layer: each is donated on its own
