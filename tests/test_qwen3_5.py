@@ -169,7 +169,7 @@ def test_the_delta_rule_kernel_decodes_alike(decoding_pair):
 
 
 @pytest.mark.slow
-def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pair):
+def test_the_engine_stays_exact_under_chunked_prefill_preemption_and_abort(decoding_pair):
     hf, target, drafter, _ = decoding_pair
     prompts = [np.random.default_rng(i).integers(0, 95, n).tolist() for i, n in enumerate((23, 5, 17, 30, 9))]
     reference = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=20).token_ids
@@ -177,6 +177,10 @@ def test_the_engine_stays_exact_under_chunked_prefill_and_preemption(decoding_pa
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16, num_pages=17, page_size=8,
                                block_size=4)
     assert not engine.prefix_caching  # a prefix's recurrent state is not cached
+    aborted = engine.add_request(prompts[3], dflash_jax.SamplingParams(max_new_tokens=20))
+    engine.step()
+    engine.step()
+    engine.abort(aborted)  # two steps in: its slot and state go to a request that must start afresh
     ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=20)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
