@@ -119,6 +119,27 @@ def test_export_round_trip_loads_in_transformers(converted, tmp_path):
     np.testing.assert_allclose(hf_forward(reloaded, ids)[0], hf_forward(hf, ids)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_vision_language_checkpoint_converts_to_its_text_model(tmp_path):
+    """`Qwen3_5ForConditionalGeneration` through the CLI: its vision tower skipped, its text
+    model's logits those of the whole model on text (where its 3-D positions are 1-D)."""
+    import transformers
+
+    torch.manual_seed(3)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    text = {**SHAPES, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, tie_word_embeddings=False)).float().eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "converted")]) == 0
+    target = dflash_jax.load_target(tmp_path / "converted", dtype="float32")
+    ids = [3, 14, 15, 92, 65, 35, 8, 9]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    logits, _ = dflash_jax.target_forward(target, ids, layer_ids=[0])
+    assert rel_err(logits, want) < 1e-4
+
+
 def test_vision_language_checkpoints_read_their_text_model():
     text = json.loads(json.dumps({**SHAPES, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}))
     cfg = parse_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,

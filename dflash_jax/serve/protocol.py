@@ -112,6 +112,17 @@ class ChatMessage(BaseModel):
     content: Union[str, list[TextPart]]
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Images and other media are refused by name, not as a malformed part."""
+        kinds = {part.get("type") for part in content if isinstance(part, dict)} if isinstance(content, list) else set()
+        media = sorted(str(kind) for kind in kinds - {"text", None})
+        if media:
+            raise ValueError(f"content parts of type {', '.join(media)} are not read: this server decodes text only (a "
+                             "vision-language checkpoint runs as its text model); send text parts")
+        return content
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
