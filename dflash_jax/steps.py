@@ -60,15 +60,15 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
     seq_lens_R = _seq_lens(batch)
     passes = []
     cache_layers = {layer: i for i, layer in enumerate(target.cfg.kv_layers)}  # the cache holds attention layers
+    if advancing_T is None:  # every real token
+        advancing_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
 
     def attend(layer, heads):
         nonlocal cache
         if isinstance(heads, RecurrentInputs):
             j = len(passes)
-            advancing = (jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]) if advancing_T is None \
-                else advancing_T
             out_THV, rule_pass = ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
-                                             batch.query_start_loc[:-1], advancing, kernels)
+                                             batch.query_start_loc[:-1], advancing_T, kernels)
             passes.append(rule_pass)
             return out_THV
         out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,
