@@ -7,9 +7,10 @@ write), the 8-bit weights' product, the routed experts' product and the gated de
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
 mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
 could not), while the experts' kernel runs per device inside the expert split and the delta
-rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()` replaces "auto" by what it means on this backend; the resolved value
-travels in each program's static configuration, so it is part of the jit cache key and a
-different choice compiles a different program. Nothing here reads the environment: a caller
+rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()`
+replaces "auto" by what it means on this backend; the resolved value travels in each
+program's static configuration, so it is part of the jit cache key and a different choice
+compiles a different program. Nothing here reads the environment: a caller
 that wants environment defaults (the CLI) reads them itself.
 
     kernels = Kernels(attention="pallas").resolve()   # the others "auto"

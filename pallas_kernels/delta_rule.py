@@ -81,7 +81,8 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
                       block_v: int = BLOCK_V, num_warps: int = 4, interpret: bool | None = None):
     """`delta_rule_reference` (same arguments and result) as one kernel, which with
-    `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
+    `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in
+    interpret mode elsewhere."""
     T, Hk, K = q_THK.shape
     R, H, _, V = state_RHKV.shape
     block_v = min(block_v, V)

@@ -27,13 +27,13 @@ class GatedDeltaNet(nnx.Module):
         d, value_width = cfg.hidden_size, la.num_value_heads * la.value_head_dim
         self.in_proj_qkv = linear(d, la.conv_dim, ("embed", "qkv_heads"), use_bias=False, dtype=dtype, rngs=rngs)
         self.in_proj_z = linear(d, value_width, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_b = linear(d, la.num_value_heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_a = linear(d, la.num_value_heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
-        self.conv1d_weight = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), (la.conv_dim, 1, la.conv_kernel_size),
-                                                                   dtype), out_sharding=("qkv_heads", None, None),
-                                       eager_sharding=False)
-        self.dt_bias = nnx.Param(jnp.ones((la.num_value_heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
-        self.A_log = nnx.Param(jnp.zeros((la.num_value_heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
+        heads = la.num_value_heads
+        self.in_proj_b = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_a = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        conv_init = nnx.initializers.normal(0.2)(rngs.params(), (la.conv_dim, 1, la.conv_kernel_size), dtype)
+        self.conv1d_weight = nnx.Param(conv_init, out_sharding=("qkv_heads", None, None), eager_sharding=False)
+        self.dt_bias = nnx.Param(jnp.ones((heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
+        self.A_log = nnx.Param(jnp.zeros((heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
         self.norm = RMSNorm(la.value_head_dim, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
         self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
         self.shards = 1  # column groups of in_proj_qkv and conv1d_weight: [q_g | k_g | v_g] per shard g
