@@ -7,7 +7,8 @@ runs the rule twice: once over every token of the batch for the outputs (each to
 state after the tokens before it in its row), then, once the accepted lengths are known, over
 the tokens each row keeps (`advancing_T`: a prefill chunk's all, a verify row's anchor and
 accepted drafts) for the state it commits, from the queries, keys and values the first pass
-kept (`RulePass`). Rejected drafts leave no trace. A step without drafts knows the tokens it
+kept (`RulePass`), in the rows that rejected some (the others keep the first pass's state).
+Rejected drafts leave no trace. A step without drafts knows the tokens it
 keeps beforehand, and its one pass leaves the states to commit.
 """
 
@@ -67,6 +68,7 @@ class RulePass:
     q_THK: jax.Array
     k_THK: jax.Array
     v_THV: jax.Array
+    advanced_R: jax.Array  # the tokens each row's state advanced over
     after: tuple[jax.Array, jax.Array]  # (history [R, taps - 1, C], delta [R, value heads, key dim, value dim])
 
 
@@ -126,21 +128,25 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     out_THV, delta_RHKV = delta_rule(inputs, kernels)(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
                                                       delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R)
     after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
-    return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
+    return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, kept_R, after)
 
 
 def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T,
                   kernels: Kernels) -> RecurrentState:
     """Each batch row's state after the tokens it keeps (`advancing_T`), from `rows` (its
     state before the batch) and what each layer's rule read in the batch: the rule runs
-    again over those tokens, for the states alone."""
+    again over those tokens, for the states alone, in the rows that keep fewer tokens than
+    the pass advanced over (rejected drafts); the others (prefill chunks, wholly accepted
+    blocks) keep the pass's state, which the same operations left."""
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     history, delta = [], []
     for p, history_RKC, delta_RHKV in zip(passes, rows.history, rows.delta):
+        rerun_R = kept_R != p.advanced_R
         history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
-        delta.append(delta_rule(p.inputs, kernels, outputs=False)(p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV,
-                                                                  p.inputs.beta_TV, delta_RHKV, starts_R,
-                                                                  starts_R + kept_R)[1])
+        _, rerun_RHKV = delta_rule(p.inputs, kernels, outputs=False)(
+            p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, delta_RHKV, starts_R,
+            starts_R + jnp.where(rerun_R, kept_R, 0))
+        delta.append(jnp.where(rerun_R[:, None, None, None], rerun_RHKV, p.after[1]))
     return RecurrentState(tuple(history), tuple(delta))
 
 
