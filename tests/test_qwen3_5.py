@@ -196,7 +196,7 @@ def test_the_engine_stays_exact_under_chunked_prefill_preemption_and_abort(decod
     reference = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=20).token_ids
     # 8-token prefill chunks; 16 usable pages of 8 tokens: not enough for all five requests at once
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16, num_pages=17, page_size=8,
-                               block_size=4)
+                               block_size=4, kernels=dflash_jax.Kernels(recurrence="pallas"))  # interpret mode here
     assert not engine.prefix_caching  # a prefix's recurrent state is not cached
     aborted = engine.add_request(prompts[3], dflash_jax.SamplingParams(max_new_tokens=20))
     engine.step()
