@@ -87,6 +87,12 @@ QWEN3_8B_DFLASH2_DRAFTER = dict(
     dflash_config=dict(QWEN3_8B_DRAFTER["dflash_config"], conv_kernel_size=4, conv_group_size=64, selector_rank=256,
                        selector_top_k=16),
 )
+# The SmolLM2 DFlash 2 drafter's form (bench.pipelines.smollm2_drafter --dflash2 4,64,64,16).
+SMOLLM2_135M_DFLASH2_DRAFTER = dict(
+    SMOLLM2_135M_DRAFTER, architectures=["DFlash2DraftModel"],
+    dflash_config=dict(SMOLLM2_135M_DRAFTER["dflash_config"], conv_kernel_size=4, conv_group_size=64, selector_rank=64,
+                       selector_top_k=16),
+)
 SMALL = dict(QWEN3_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 SMALL_DRAFTER = dict(
@@ -122,6 +128,7 @@ MODELS = {
     "qwen3-8b-dflash2": ModelShapes("Qwen3-8B shape, DFlash 2 drafter", QWEN3_8B, QWEN3_8B_DFLASH2_DRAFTER),
     "qwen3-32b": ModelShapes("Qwen3-32B shape", QWEN3_32B, QWEN3_32B_DRAFTER),
     "smollm2-135m": ModelShapes("SmolLM2-135M shape", SMOLLM2_135M, SMOLLM2_135M_DRAFTER),
+    "smollm2-135m-dflash2": ModelShapes("SmolLM2-135M shape, DFlash 2 drafter", SMOLLM2_135M, SMOLLM2_135M_DFLASH2_DRAFTER),
     "qwen3-30b-a3b": ModelShapes("Qwen3-30B-A3B shape", QWEN3_30B_A3B, QWEN3_30B_A3B_DRAFTER),
     "gpt-oss-20b": ModelShapes("gpt-oss-20b shape", GPT_OSS_20B, GPT_OSS_20B_DRAFTER),
     "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
