@@ -85,20 +85,6 @@ def _blocked(rows_TD, blocks: int):
     return rows_TD.reshape(blocks, -1, rows_TD.shape[-1])
 
 
-def chunked_top_k(x_NV, k: int, chunks: int = 128):
-    """`lax.top_k` over the last axis in two stages, the same values and indices (ties to the
-    lower index): each of `chunks` slices' top k, then the top k of those. One row's top-k
-    over a whole vocabulary runs in one GPU block; slices spread it over the device."""
-    V = x_NV.shape[-1]
-    chunks = max(1, min(chunks, V // (4 * k)))
-    width = -(-V // chunks)
-    padded = jnp.pad(x_NV, [(0, 0)] * (x_NV.ndim - 1) + [(0, chunks * width - V)], constant_values=-jnp.inf)
-    values_NCK, local_NCK = jax.lax.top_k(padded.reshape(*x_NV.shape[:-1], chunks, width), k)
-    index_NCK = local_NCK + (jnp.arange(chunks, dtype=local_NCK.dtype) * width)[:, None]
-    values_NK, picked_NK = jax.lax.top_k(values_NCK.reshape(*x_NV.shape[:-1], chunks * k), k)
-    return values_NK, jnp.take_along_axis(index_NCK.reshape(*x_NV.shape[:-1], chunks * k), picked_NK, axis=-1)
-
-
 class CandidateSelector(nnx.Module):
     """The codebooks [V, rank] and the hidden state's projection [D, rank]."""
 
@@ -112,7 +98,7 @@ class CandidateSelector(nnx.Module):
 
     def candidates(self, logits_NV):
         """(float32 logits [..., K], token ids [..., K]) of each position's top-K candidates."""
-        return chunked_top_k(logits_NV.astype(jnp.float32), self.top_k)
+        return jax.lax.top_k(logits_NV.astype(jnp.float32), self.top_k)
 
     def pairings(self, projected_NQ, previous_NA, candidates_NK):
         """float32 [..., A, K]: predecessor[previous a] * projected hidden . successor[candidate
