@@ -62,7 +62,7 @@ class CycleConfig:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["target_cache", "draft_caches", "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S",
-                 "output_counts_SV", "prompt_seen_SV", "recurrent"],
+                 "output_counts_SV", "prompt_seen_SV", "recurrent", "saved_recurrent"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +81,15 @@ class DecodeState:
     output_counts_SV: jax.Array | None = None  # int32 [S, V]
     prompt_seen_SV: jax.Array | None = None  # bool [S, V]
     recurrent: RecurrentState | None = None  # a hybrid target's gated-delta-net states, per slot
+    # With prefix caching on a hybrid target: states saved after cached prefixes (`prefix_states`)
+    saved_recurrent: RecurrentState | None = None
 
     @classmethod
     def zeros(cls, models, cfg: CycleConfig, *, num_slots: int, page_size: int, target_pages: int,
-              draft_pages: tuple[int, ...], penalties: bool = False) -> DecodeState:
+              draft_pages: tuple[int, ...], penalties: bool = False, saved_states: int = 0) -> DecodeState:
         """An empty state: caches of `target_pages` (and per drafter group `draft_pages`)
         pages; draft probabilities only if `cfg.keeps_draft_probs`; token counts for
-        penalties only if `penalties`."""
+        penalties only if `penalties`; a hybrid target's pool of `saved_states` states."""
         target = models[0]
         draft_caches = ()
         if cfg.num_drafts:
@@ -106,6 +108,8 @@ class DecodeState:
             output_counts_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), jnp.int32),
             prompt_seen_SV=jnp.zeros((num_slots, target.cfg.vocab_size if penalties else 0), bool),
             recurrent=RecurrentState.zeros(target.cfg, num_slots, target.dtype, target.mesh),
+            saved_recurrent=RecurrentState.zeros(target.cfg, saved_states, target.dtype, target.mesh)
+            if saved_states else None,
         )
 
 
@@ -155,7 +159,7 @@ class PenaltyRows:
     jax.tree_util.register_dataclass,
     data_fields=[
         "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
-        "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment", "penalties",
+        "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment", "penalties", "restore_R", "save_R",
     ],
     meta_fields=[],
 )
@@ -175,6 +179,10 @@ class CycleBatch:
     sampling: SamplingRows
     adjustment: LogitsAdjustment | None = None  # read when `CycleConfig.adjusts_logits`
     penalties: PenaltyRows | None = None  # read when `CycleConfig.penalizes`
+    # With saved hybrid states (`DecodeState.saved_recurrent`): the saved state a row starts
+    # from in place of its slot's, and where its state after the row is saved; -1: none
+    restore_R: jax.Array | None = None
+    save_R: jax.Array | None = None
 
 
 @functools.partial(
@@ -299,12 +307,18 @@ def fresh_rows(batch: CycleBatch):
 
 
 def recurrent_rows(state: DecodeState, batch: CycleBatch) -> RecurrentState | None:
-    """Each row's gated-delta-net states before the batch: its slot's, zero for a fresh row."""
+    """Each row's gated-delta-net states before the batch: its slot's, zero for a fresh row,
+    a saved one where the row restores one."""
     if state.recurrent is None:
         return None
     fresh_R = fresh_rows(batch)
-    return jax.tree.map(lambda a: jnp.where(fresh_R.reshape(-1, *(1,) * (a.ndim - 1)), 0, slot_rows(a, batch.slots_R))
+    rows = jax.tree.map(lambda a: jnp.where(fresh_R.reshape(-1, *(1,) * (a.ndim - 1)), 0, slot_rows(a, batch.slots_R))
                         .astype(a.dtype), state.recurrent)
+    if state.saved_recurrent is None or batch.restore_R is None:
+        return rows
+    restored_R = batch.restore_R >= 0
+    return jax.tree.map(lambda pool, a: jnp.where(restored_R.reshape(-1, *(1,) * (a.ndim - 1)),
+                                                  pool[jnp.maximum(batch.restore_R, 0)], a), state.saved_recurrent, rows)
 
 
 def kept_tokens(batch: CycleBatch, count_R):
@@ -378,6 +392,10 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             cfg.kernels)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
             lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
+        if state.saved_recurrent is not None and batch.save_R is not None:
+            state = dataclasses.replace(state, saved_recurrent=jax.tree.map(
+                lambda pool, rows: with_slot_rows(pool, batch.save_R, rows, batch.save_R >= 0), state.saved_recurrent,
+                rows_after))
     if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts
         cached_RQ = batch.verifying_R[:, None] & (jnp.arange(num_query) < count_R[:, None])
         counts_RV = counts_RV.at[rows_R[:, None], inputs_RQ].add(cached_RQ.astype(jnp.int32))

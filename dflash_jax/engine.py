@@ -39,6 +39,7 @@ from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
+from dflash_jax.prefix_states import SavedStates
 from dflash_jax.requests import (
     DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logit_bias,
     check_logprobs, check_penalties, check_prompt, check_request, check_stop_token_ids,
@@ -113,7 +114,7 @@ class Engine:
         `default_cycles_per_step`); more cycles spread the host's work, fewer admit new
         requests sooner. `prefix_caching`: a request starts from the cached KV pages (the
         target's and the drafter's) of the longest prefix of its tokens that an earlier request
-        computed (`prefix_cache`); the drafter's windowed layers then keep whole contexts too."""
+        computed (`prefix_cache`, `prefix_states`); the drafter's windowed layers then keep whole contexts too."""
         target, drafter = on_one_mesh((target, drafter), mesh)
         self.cycles_per_step = (default_cycles_per_step(target.mesh) if cycles_per_step is None
                                 else check_count("cycles_per_step", cycles_per_step))
@@ -151,13 +152,12 @@ class Engine:
             )
         self.page_size = page_size
         lookahead = self.draft_block_size  # positions past a step's rows it writes: the drafter's block
-        # Room for every position a request can touch: its tokens, a verify block and the
-        # draft query rows after it.
+        # Room for every position a request can touch: its tokens, a verify block, the draft rows after it.
         self.pages_per_req = -(-(self.max_model_len + lookahead) // page_size)
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}.")
-        # a hybrid target's recurrent state after a prefix is not cached: its requests start afresh
-        self.prefix_caching = prefix_caching and target.cfg.linear_attention is None
+        self.prefix_caching = prefix_caching
+        saved_states = SavedStates.for_target(target.cfg, max_num_reqs, page_size) if prefix_caching else None
         self._groups = DraftCacheGroups.for_drafter(drafter.cfg) if drafter else None
         # Windowed drafter groups have pages of their own, given back as the window passes,
         # unless their context is cached with the target's pages.
@@ -176,7 +176,7 @@ class Engine:
             lookahead=lookahead, page_size=page_size,
             allocator=PrefixCache(num_pages) if self.prefix_caching else PageAllocator(num_pages),
             window_allocators=window_allocators, windows=windows, cycles_per_step=self.cycles_per_step,
-        )
+            saved_states=saved_states)
         self._target, self._drafter = target, drafter
         self._models = (target,) if drafter is None else (target, drafter)
         treedefs, _ = flatten_models(self._models)
@@ -195,7 +195,7 @@ class Engine:
             # Groups on the target's pages first, then those with pools of their own.
             draft_pages=(num_pages,) * (len(self._groups.layers) - len(windows) if self._groups else 0)
             + tuple(a.num_pages for a in window_allocators), penalties=True,
-        )
+            saved_states=saved_states.capacity if saved_states else 0)
         # On a mesh the step's small inputs and the state's per-slot arrays live whole on every
         # device (the caches are split by kv head): compiled programs take fixed placements.
         self._whole = None if target.mesh is None else NamedSharding(target.mesh, PartitionSpec())

@@ -24,6 +24,7 @@ from collections import deque
 
 from dflash_jax.kv_cache import NULL_PAGE, OutOfPages, PageAllocator
 from dflash_jax.prefix_cache import PrefixCache, extend_page_keys
+from dflash_jax.prefix_states import SavedStates
 from dflash_jax.requests import RequestStats, SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
     # With prefix caching: a request with the same prompt (another choice of one question)
     # that this one waits for before it is admitted, so as to start from its cached pages.
     prefill_after: Request | None = None
+    # A hybrid target's saved state (`prefix_states`) the first chunk starts from; -1: none
+    restore_from: int = -1
 
     @property
     def num_generated(self) -> int:
@@ -90,6 +93,8 @@ class Work:
     epoch: int  # the request's epoch at launch
     ends_prefill: bool = False  # the request decodes after this chunk
     cycles: int = 1  # verify cycles the step runs (each commits at least one token while the request lasts)
+    restore: int = -1  # a prefill chunk's saved state to start from (`prefix_states`)
+    save: int = -1  # where to save the state after a prefill chunk
 
 
 class Scheduler:
@@ -97,7 +102,7 @@ class Scheduler:
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, num_drafts: int, lookahead: int, page_size: int,
                  allocator: PageAllocator, window_allocators: list[PageAllocator], windows: tuple[int, ...],
-                 cycles_per_step: int = 1):
+                 cycles_per_step: int = 1, saved_states: SavedStates | None = None):
         self.max_num_reqs = max_num_reqs
         self.cycles_per_step = cycles_per_step  # verify cycles a step of decoding requests runs at most
         self.max_num_tokens = max_num_tokens
@@ -106,6 +111,7 @@ class Scheduler:
         self.page_size = page_size
         self.allocator = allocator
         self.prefix_cache = allocator if isinstance(allocator, PrefixCache) else None
+        self.saved_states = saved_states  # a hybrid target's: a prefix is reusable where its state was saved
         self.window_allocators = window_allocators  # one per windowed drafter cache group
         self.windows = windows  # their windows
         self.max_running = max_num_reqs  # requests admitted at most (the Engine lowers it while warming up)
@@ -149,8 +155,8 @@ class Scheduler:
                 rows = 1 + self.num_drafts
                 end = self._verified_end(request, cycles)
             else:
-                rows = min(request.prefill_end - request.num_computed, budget)
-                end = request.num_computed + rows
+                end = self._chunk_end(request, min(request.prefill_end, request.num_computed + budget))
+                rows = end - request.num_computed
             if not 0 < rows <= budget:
                 continue
             if not self._reserve(request, end + self.lookahead, ending + [w.request for w in work]):
@@ -158,7 +164,9 @@ class Scheduler:
             samples = request.decoding or end == len(request.tokens)
             work.append(Work(request, rows, request.decoding, samples, request.epoch,
                              ends_prefill=not request.decoding and end == request.prefill_end,
-                             cycles=cycles if request.decoding else 1))
+                             cycles=cycles if request.decoding else 1,
+                             restore=-1 if request.decoding else request.restore_from,
+                             save=-1 if request.decoding else self._save_slot(request, end)))
             budget -= rows
         return work
 
@@ -191,10 +199,34 @@ class Scheduler:
                           - len(r.pages), 0) for r in going_on)
         return cycles if missing <= self.allocator.num_free else 1
 
+    def _chunk_end(self, request: Request, end: int) -> int:
+        """A prefill chunk's end: `end`, or a hybrid target's first saving boundary before it."""
+        if self.saved_states is None:
+            return end
+        boundary = self.saved_states.next_boundary(request.num_computed, end, self._last_saved(request))
+        return end if boundary is None else boundary
+
+    def _last_saved(self, request: Request) -> int:
+        """The deepest position a later request can start from: the prompt's last full page
+        before its last position."""
+        return (request.prefill_end - 1) // self.page_size * self.page_size
+
+    def _save_slot(self, request: Request, end: int) -> int:
+        """Where a chunk ending at `end` saves its state (-1: it does not)."""
+        last = self._last_saved(request)
+        if self.saved_states is None or not 0 < end <= last or (end % self.saved_states.interval and end != last):
+            return -1
+        keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, end // self.page_size)
+        slot = self.saved_states.claim(keys[-1])
+        return -1 if slot is None else slot
+
     def launched(self, work: list[Work]) -> None:
         """Record that `work` is on the device: prefill chunks' rows are all computed now."""
         for w in work:
             w.request.in_flight = w
+            if w.restore >= 0:  # read by this step: the saved state may be overwritten after it
+                self.saved_states.unpin(w.restore)
+                w.request.restore_from = -1
             if not w.verifying:
                 w.request.num_computed += w.rows
                 w.request.decoding = w.ends_prefill
@@ -244,6 +276,10 @@ class Scheduler:
         num_pages = (request.prefill_end - 1) // self.page_size
         keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, num_pages)
         request.pages = self.prefix_cache.match(keys[:num_pages])
+        if self.saved_states is not None:  # a hybrid target starts where a state was saved
+            depth, request.restore_from = self.saved_states.deepest(keys[:len(request.pages)]) or (0, -1)
+            self.prefix_cache.free(request.pages[depth:])
+            request.pages = request.pages[:depth]
         request.num_published = len(request.pages)
         request.num_computed = request.num_published * self.page_size
         if not request.stats.num_preemptions:  # reported as at the first admission
@@ -301,6 +337,9 @@ class Scheduler:
                     table[index] = NULL_PAGE
 
     def _free_pages(self, request: Request) -> None:
+        if request.restore_from >= 0:  # admitted, its saved state never read
+            self.saved_states.unpin(request.restore_from)
+            request.restore_from = -1
         self.allocator.free(request.pages)
         for table, allocator in zip(request.window_pages, self.window_allocators):
             allocator.free([page for page in table if page != NULL_PAGE])

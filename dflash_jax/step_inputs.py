@@ -45,6 +45,8 @@ INT_FIELDS = (
     ("bias_ids", "RW", -1),  # the row's logit bias: token ids
     ("min_stop_pos", "R", 0),  # no stop token before this position (prompt + min_tokens)
     ("prompt_len", "R", 0),
+    ("restore_state", "R", -1),  # hybrid targets: the saved state a prefill row starts from
+    ("save_state", "R", -1),  # hybrid targets: where the row's state after it is saved
 )
 FLOAT_FIELDS = (("temperature", "R", 0.0), ("top_p", "R", 1.0), ("bias", "RW", 0.0), ("presence", "R", 0.0),
                 ("frequency", "R", 0.0), ("repetition", "R", 1.0))
@@ -82,6 +84,7 @@ class StepInputs:
                 self.anchor_pos[r] = positions[-1]
                 if not w.samples:
                     self.next_prefill[r] = request.tokens[request.num_computed + rows]
+                self.restore_state[r], self.save_state[r] = w.restore, w.save
             self.verifying[r] = w.verifying
             self.samples[r] = w.samples
             self.rows[span] = r
@@ -154,5 +157,6 @@ def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
         adjustment=LogitsAdjustment(bias_ids_RW=f["bias_ids"], bias_RW=f["bias"], min_stop_pos_R=f["min_stop_pos"]),
         penalties=PenaltyRows(presence_R=f["presence"], frequency_R=f["frequency"], repetition_R=f["repetition"],
                               prompt_len_R=f["prompt_len"]),
+        restore_R=f["restore_state"], save_R=f["save_state"],
     )
     return batch, f["last_pos"], f["cycles"][0]

@@ -279,6 +279,7 @@ def qwen3_5() -> dict:
         if tp == 2:  # the Pallas rule (interpret mode) once per shard of the heads
             out["pallas 2"] = generate(target, drafter, PROMPTS, max_new_tokens=12,
                                        kernels=Kernels(recurrence="pallas")).token_ids
+            out["engine 2"] = _shared_prefix_engine(target, drafter)
         mixer = target.layers[0].linear_attn
         state = RecurrentState.zeros(target.cfg, 2, target.dtype, target.mesh)
         out[f"split {tp}"] = [len({shard.data.shape for shard in x.addressable_shards}) == 1
@@ -292,6 +293,22 @@ def qwen3_5() -> dict:
                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
     out["moe"] = [generate(*models(moe, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 2)]
     return out
+
+
+def _shared_prefix_engine(target, drafter) -> list:
+    """Engine tokens of a prompt, then of two sharing its first 16 tokens (prefix caching
+    restores the split state saved there), and each prompt's autoregressive tokens."""
+    first = [(7 * i + 3) % 120 for i in range(19)]
+    later = [first[:16] + [5, 6, 7], first[:17] + [9]]
+    engine = Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, page_size=8)
+    ids = [engine.add_request(first, SamplingParams(max_new_tokens=8))]
+    while engine.has_unfinished():
+        engine.step()
+    ids += [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in later]
+    while engine.has_unfinished():
+        engine.step()
+    return [[engine.output(i) for i in ids], [engine.stats(i).num_cached_tokens for i in ids],
+            generate_autoregressive(target, [first] + later, max_new_tokens=8).token_ids]
 
 
 def save(folder: str) -> dict:

@@ -197,7 +197,7 @@ def test_the_engine_stays_exact_under_chunked_prefill_preemption_and_abort(decod
     # 8-token prefill chunks; 16 usable pages of 8 tokens: not enough for all five requests at once
     engine = dflash_jax.Engine(target, drafter, max_num_reqs=4, max_num_tokens=16, num_pages=17, page_size=8,
                                block_size=4, kernels=dflash_jax.Kernels(recurrence="pallas"))  # interpret mode here
-    assert not engine.prefix_caching  # a prefix's recurrent state is not cached
+    assert engine.prefix_caching and engine.scheduler.saved_states is not None  # unshared prompts: no hits
     aborted = engine.add_request(prompts[3], dflash_jax.SamplingParams(max_new_tokens=20))
     engine.step()
     engine.step()
@@ -207,6 +207,60 @@ def test_the_engine_stays_exact_under_chunked_prefill_preemption_and_abort(decod
         engine.step()
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
+
+
+def test_prefix_caching_starts_hybrid_requests_from_saved_states_exactly(converted, decoding_pair):
+    """Requests sharing a prefix (a system prompt; an earlier turn and its answer) start from
+    the state saved where the first one's prompt ended a page, its pages found cached: their
+    greedy tokens equal autoregressive decoding's, and their tokens' log-probabilities an
+    engine's without prefix caching. A row that took its slot's stale state instead, or the
+    state after the whole first prompt, shifts the log-probabilities."""
+    target, drafter = converted[1], decoding_pair[2]
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 95, 21).tolist()
+    first = system + [3, 9]
+
+    def run(caching: bool):
+        engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, num_pages=40, page_size=8,
+                                   block_size=4, prefix_caching=caching)
+        params = dflash_jax.SamplingParams(max_new_tokens=12, logprobs=0)
+        logprobs = {}
+
+        def finish():
+            while engine.has_unfinished():
+                for out in engine.step():
+                    logprobs.setdefault(out.request_id, []).extend(t.logprob for t in out.logprobs)
+
+        ids = [engine.add_request(first, params)]
+        finish()
+        prompts = [first, system + [50, 51, 52], first + engine.output(ids[0]) + [60, 61, 62, 63, 64, 65, 66]]
+        ids += [engine.add_request(p, params) for p in prompts[1:]]
+        finish()
+        return (prompts, [engine.output(i) for i in ids], [engine.stats(i).num_cached_tokens for i in ids],
+                [logprobs[i] for i in ids])
+
+    prompts, tokens, cached, logprobs = run(True)
+    assert tokens == dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=12).token_ids
+    assert cached == [0, 16, 16]  # the first prompt's last full page ends at 16: both later ones restart there
+    _, uncached_tokens, uncached, uncached_logprobs = run(False)
+    assert uncached == [0, 0, 0] and uncached_tokens == tokens
+    np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(uncached_logprobs), rtol=0, atol=1e-5)
+
+
+def test_saved_states_are_pinned_until_read_and_evicted_oldest_first():
+    from dflash_jax.prefix_states import SavedStates
+
+    saved = SavedStates(capacity=2, interval=16)
+    assert saved.next_boundary(0, 40, last=24) == 16 and saved.next_boundary(16, 40, last=24) == 24
+    assert saved.next_boundary(24, 40, last=24) is None and saved.next_boundary(0, 10, last=24) is None
+    a, b = saved.claim(b"a"), saved.claim(b"b")
+    assert saved.claim(b"a") is None  # saved already
+    assert saved.deepest([b"x", b"a", b"y"]) == (2, a)  # the longest run ending in a saved key: pinned
+    c = saved.claim(b"c")  # evicts b, the oldest unpinned
+    assert c == b and saved.deepest([b"b"]) is None
+    assert saved.claim(b"d") == c  # a stays pinned, so c (now the only unpinned) goes
+    saved.unpin(a)  # read: now the most recently used
+    assert saved.claim(b"e") == c and saved.deepest([b"d"]) is None and saved.deepest([b"a"]) == (1, a)
 
 
 @pytest.mark.slow

@@ -62,6 +62,8 @@ def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[tp] == out["1"], tp
         assert out[f"split {tp}"] == [True] * 4, tp
     assert out["pallas 2"] == out["1"][0]
+    tokens, cached, autoregressive = out["engine 2"]  # prefix caching restores a state split over the mesh
+    assert tokens == autoregressive and cached == [0, 16, 16]
     assert out["few heads"][1] == out["few heads"][0]
     assert out["moe"][1] == out["moe"][0]  # experts split over "model" beside the linear heads
 

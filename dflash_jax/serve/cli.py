@@ -124,8 +124,6 @@ def run(args: argparse.Namespace) -> None:
     kind = (f"DFlash, block size {info.block_size}, {args.draft_sampling} drafts" if info.block_size > 1
             else "autoregressive")
     log.info("loaded %s (%s, max length %d)", info.name, kind, info.max_model_len)
-    if args.prefix_caching and not engine.prefix_caching:
-        log.info("prefix caching is off: this hybrid target's recurrent state after a prefix is not cached")
     first, later = split_programs(engine, args.warmup)
     try:
         if first:
