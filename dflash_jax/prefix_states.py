@@ -9,8 +9,8 @@ depends on its tokens only). An admitted request then starts from the deepest of
 pages whose key has a saved state, which its first chunk reads in place of its slot's.
 
 Saved states are kept least recently used first out; one that an admitted request is still
-to read is pinned until the step reading it is launched (steps run in launch order, so a
-later overwrite lands after that read).
+to read, or a step is still to write, is pinned until that step is launched (steps run in
+launch order, so a later overwrite lands after that read or write).
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ class SavedStates:
                 self._unpinned[slot] = None
 
     def claim(self, key: bytes) -> int | None:
-        """A pool slot to save the state under `key` into, now findable by it; None when the
-        key is saved already or every slot is pinned."""
+        """A pool slot to save the state under `key` into, now findable by it and pinned (the
+        caller unpins it once the saving step is launched); None when the key is saved already
+        or every slot is pinned."""
         if key in self._slot_of:
             return None
         if self._free:
@@ -84,5 +85,5 @@ class SavedStates:
         else:
             return None
         self._slot_of[key], self._key_of[slot] = slot, key
-        self._unpinned[slot] = None
+        self._pins[slot] = 1  # until the step saving into it is launched: no other save may take it first
         return slot

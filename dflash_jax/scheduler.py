@@ -227,6 +227,8 @@ class Scheduler:
             if w.restore >= 0:  # read by this step: the saved state may be overwritten after it
                 self.saved_states.unpin(w.restore)
                 w.request.restore_from = -1
+            if w.save >= 0:  # written by this step
+                self.saved_states.unpin(w.save)
             if not w.verifying:
                 w.request.num_computed += w.rows
                 w.request.decoding = w.ends_prefill

@@ -255,10 +255,15 @@ def test_saved_states_are_pinned_until_read_and_evicted_oldest_first():
     assert saved.next_boundary(24, 40, last=24) is None and saved.next_boundary(0, 10, last=24) is None
     a, b = saved.claim(b"a"), saved.claim(b"b")
     assert saved.claim(b"a") is None  # saved already
+    assert saved.claim(b"z") is None  # both pinned until their saving steps launch
+    saved.unpin(a)
+    saved.unpin(b)
     assert saved.deepest([b"x", b"a", b"y"]) == (2, a)  # the longest run ending in a saved key: pinned
     c = saved.claim(b"c")  # evicts b, the oldest unpinned
     assert c == b and saved.deepest([b"b"]) is None
+    saved.unpin(c)
     assert saved.claim(b"d") == c  # a stays pinned, so c (now the only unpinned) goes
+    saved.unpin(c)
     saved.unpin(a)  # read: now the most recently used
     assert saved.claim(b"e") == c and saved.deepest([b"d"]) is None and saved.deepest([b"a"]) == (1, a)
 
