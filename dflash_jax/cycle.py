@@ -311,14 +311,15 @@ def recurrent_rows(state: DecodeState, batch: CycleBatch) -> RecurrentState | No
     a saved one where the row restores one."""
     if state.recurrent is None:
         return None
+    def where_rows(mask_R, x, y):
+        return jnp.where(mask_R.reshape(-1, *(1,) * (y.ndim - 1)), x, y).astype(y.dtype)
+
     fresh_R = fresh_rows(batch)
-    rows = jax.tree.map(lambda a: jnp.where(fresh_R.reshape(-1, *(1,) * (a.ndim - 1)), 0, slot_rows(a, batch.slots_R))
-                        .astype(a.dtype), state.recurrent)
+    rows = jax.tree.map(lambda a: where_rows(fresh_R, 0, slot_rows(a, batch.slots_R)), state.recurrent)
     if state.saved_recurrent is None or batch.restore_R is None:
         return rows
-    restored_R = batch.restore_R >= 0
-    return jax.tree.map(lambda pool, a: jnp.where(restored_R.reshape(-1, *(1,) * (a.ndim - 1)),
-                                                  pool[jnp.maximum(batch.restore_R, 0)], a), state.saved_recurrent, rows)
+    return jax.tree.map(lambda pool, a: where_rows(batch.restore_R >= 0, pool[jnp.maximum(batch.restore_R, 0)], a),
+                        state.saved_recurrent, rows)
 
 
 def kept_tokens(batch: CycleBatch, count_R):

@@ -199,22 +199,23 @@ class Scheduler:
                           - len(r.pages), 0) for r in going_on)
         return cycles if missing <= self.allocator.num_free else 1
 
-    def _chunk_end(self, request: Request, end: int) -> int:
-        """A prefill chunk's end: `end`, or a hybrid target's first saving boundary before it."""
+    def _boundary(self, request: Request, end: int) -> int | None:
+        """A hybrid target's first saving boundary in the chunk from the request's computed
+        positions to `end`; the last one a later request can start from is the prompt's last
+        full page before its last position."""
         if self.saved_states is None:
-            return end
-        boundary = self.saved_states.next_boundary(request.num_computed, end, self._last_saved(request))
+            return None
+        last = (request.prefill_end - 1) // self.page_size * self.page_size
+        return self.saved_states.next_boundary(request.num_computed, end, last)
+
+    def _chunk_end(self, request: Request, end: int) -> int:
+        """A prefill chunk's end: `end`, or the first saving boundary before it."""
+        boundary = self._boundary(request, end)
         return end if boundary is None else boundary
 
-    def _last_saved(self, request: Request) -> int:
-        """The deepest position a later request can start from: the prompt's last full page
-        before its last position."""
-        return (request.prefill_end - 1) // self.page_size * self.page_size
-
     def _save_slot(self, request: Request, end: int) -> int:
-        """Where a chunk ending at `end` saves its state (-1: it does not)."""
-        last = self._last_saved(request)
-        if self.saved_states is None or not 0 < end <= last or (end % self.saved_states.interval and end != last):
+        """Where a chunk ending at `end` saves its state (-1: it does not end at a boundary)."""
+        if self._boundary(request, end) != end:
             return -1
         keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, end // self.page_size)
         slot = self.saved_states.claim(keys[-1])
