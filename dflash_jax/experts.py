@@ -105,8 +105,9 @@ def _weighted_sum(out_PD, weights, position_P, T: int, top_k: int, dtype):
     """Each token's pairs' outputs (row position_P[p] of out_PD for pair p = t * top_k + k;
     a position past the rows reads zeros), weighted in their dtype (as transformers does) and
     summed in float32 in k order: a token's sum never depends on the pairs beside it."""
-    width = out_PD.shape[-1]
-    rows = jnp.concatenate([out_PD, jnp.zeros((1, width), out_PD.dtype)])[position_P]
+    count, width = out_PD.shape
+    # a clamped gather and a mask, not a zero row appended: XLA then reads only the pairs' rows
+    rows = jnp.where((position_P < count)[:, None], out_PD[jnp.minimum(position_P, count - 1)], 0)
     rows = (rows * weights.reshape(-1)[:, None]).astype(jnp.float32)
     return rows.reshape(T, top_k, width).sum(axis=1).astype(dtype)
 
@@ -139,7 +140,7 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
     T, top_k = expert_ids.shape
     num_experts = params["gate_up"].shape[0]
     ids = expert_ids.reshape(-1)
-    tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts))
+    tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts), top_k)
     G, M = tiles.pair_GM.shape
     x_GMD = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])[tiles.pair_GM // top_k]
 

@@ -40,26 +40,46 @@ def logical(initializer, axes: tuple[str | None, ...]):
     return nnx.with_partitioning(initializer, axes, eager_sharding=False)
 
 
+# XLA GPU turns a vector x matrix product whose operands hold fewer elements than this into an
+# elementwise multiply and a reduce (its dot strength reduction), far below the matrix rate.
+XLA_GPU_VECTOR_PRODUCT_LIMIT = 10_000_000
+# Narrower one-row products are left to that reduce: as two rows they go to a slower cuBLAS call.
+MIN_TWO_ROW_COLUMNS = 64
+
+
+def runs_as_two_rows(lhs, rhs, dimension_numbers, backend: str) -> bool:
+    """Whether `dot_general` runs this one-row product as two rows on `backend` (its docstring)."""
+    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    if not (lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1):
+        return False
+    if backend == "cpu":
+        return lhs.dtype == jnp.bfloat16
+    return (backend == "gpu" and lhs.size + rhs.size < XLA_GPU_VECTOR_PRODUCT_LIMIT
+            and rhs.size // lhs.size >= MIN_TWO_ROW_COLUMNS)
+
+
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`lax.dot_general` for the models' products (layers, LM head, drafter context).
 
-    On a CPU backend a bfloat16 product asks XLA for a float32 result (cast back) and runs a
-    single row as two: XLA CPU's fast bfloat16 kernels need a float32 result and more than one
-    row, and its other bfloat16 paths are an order of magnitude slower (`python -m bench.kernels.cpu_products`).
-    With both, bfloat16 decodes faster than float32 there and a few-row verify block costs
-    about what one row does. Elsewhere it is `lax.dot_general`.
+    A single row runs as two (the result's first row kept) where the backend would otherwise
+    leave its matrix kernels (`runs_as_two_rows`): on a GPU, a one-row product that XLA
+    strength-reduces (`XLA_GPU_VECTOR_PRODUCT_LIMIT`: a decode step's o_proj and router on
+    Qwen3-30B-A3B) unless it is narrow; on a CPU every bfloat16 one, which there also asks for
+    a float32 result (cast back): XLA CPU's fast bfloat16 kernels need a float32 result and
+    more than one row, and its other bfloat16 paths are an order of magnitude slower (`python
+    -m bench.kernels.cpu_products`), so bfloat16 decodes faster than float32 there and a
+    few-row verify block costs about what one row does. `python -m
+    bench.kernels.one_row_products` times the GPU case.
     """
-    if jax.default_backend() != "cpu" or lhs.dtype != jnp.bfloat16:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
+    backend = jax.default_backend()
+    as_two = runs_as_two_rows(lhs, rhs, dimension_numbers, backend)
+    if as_two:  # [1, K] (or [K, 1]) -> two rows, then the first row of the result
+        lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - dimension_numbers[0][0][0])
+    f32_result = backend == "cpu" and lhs.dtype == jnp.bfloat16
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
-    one_row = lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1
-    if one_row:  # [1, K] (or [K, 1]) -> two rows, then the first row of the result
-        lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - lhs_contract[0])
-    out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32,
-                          **kwargs)
-    return (out[:1] if one_row else out).astype(out_dtype)
+    out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                          preferred_element_type=jnp.float32 if f32_result else preferred_element_type, **kwargs)
+    return (out[:1] if as_two else out).astype(out_dtype)
 
 
 def linear(

@@ -9,11 +9,11 @@ only makes larger blocks cheaper). So a verify block of 16 tokens reads far more
 layer than one decode token does, while on a dense target it reads what a step reads. The
 pass's time (`Roofline`) is a fixed cost per sparse layer (the routing and the small
 operations around the experts' products) plus its bytes over the memory bandwidth plus its
-products over their rate, fitted to this library's MoE steps on an H200 (bench/NOTES.md).
+products over their rate, fitted to this library's MoE steps on an H200 (bench/LOG.md).
 
 Return. With a per-position acceptance rate a, a block of b tokens (b - 1 drafts) yields
 1 + a + ... + a^(b - 1) tokens per cycle. `DEFAULT_ACCEPTANCE` is what the published
-block-16 DFlash drafters reach on code (bench/NOTES.md says which numbers).
+block-16 DFlash drafters reach on code (bench/LOG.md says which numbers).
 
 The default block (`default_block_size`) maximises tokens per cycle time over the powers of two
 from 4 up to the drafter's trained block (and the trained block). It applies where the
@@ -37,7 +37,7 @@ class Roofline:
     whatever the tokens, bytes at `bandwidth` (bytes/s), products at `flops` (flop/s); an
     H200's in bf16."""
 
-    sparse_layer_seconds: float = 1.3e-4
+    sparse_layer_seconds: float = 4.5e-5
     bandwidth: float = 4.0e12
     flops: float = 4.6e14
 

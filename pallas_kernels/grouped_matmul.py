@@ -55,23 +55,24 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
     return min(MAX_BLOCK_M, max(MIN_TILE, next_pow2(-(-num_pairs // num_experts))))
 
 
-def pairs_tile_alone(num_pairs: int, num_experts: int) -> bool:
-    """Whether each pair takes a tile of its own: with at most a quarter as many pairs as
-    experts (decode steps), two pairs rarely share an expert, and laying the pairs out by
-    expert would cost more (small launches) than the odd expert read twice."""
-    return 4 * num_pairs <= num_experts
+def pairs_tile_alone(num_pairs: int, top_k: int) -> bool:
+    """Whether each pair takes a tile of its own: one token's pairs (a decode step of one
+    request), whose experts are distinct, so no expert is read twice and the grouping's
+    small launches are saved. Two tokens may share experts, and a tile per pair would read
+    a shared expert once per pair."""
+    return num_pairs <= top_k
 
 
-def expert_tiles(expert_ids_P, num_experts: int, block_m: int) -> ExpertTiles:
-    """`expert_ids_P` [P] (ids >= num_experts are dropped: another shard's experts) as tiles
-    of `block_m` rows of one expert each: one tile per pair (`pairs_tile_alone`), or the
-    pairs grouped by expert, in expert order, in at most ceil(P / block_m) + min(P,
-    num_experts) tiles (that many, the unused ones last). No sort: each pair's rank among its
-    expert's pairs is a running count."""
+def expert_tiles(expert_ids_P, num_experts: int, block_m: int, top_k: int) -> ExpertTiles:
+    """`expert_ids_P` [P] (ids >= num_experts are dropped: another shard's experts; `top_k`
+    a token's pairs) as tiles of `block_m` rows of one expert each: one tile per pair
+    (`pairs_tile_alone`), or the pairs grouped by expert, in expert order, in at most
+    ceil(P / block_m) + min(P, num_experts) tiles (that many, the unused ones last). No sort:
+    each pair's rank among its expert's pairs is a running count."""
     (P,) = expert_ids_P.shape
     valid = expert_ids_P < num_experts
     expert = jnp.minimum(expert_ids_P, num_experts - 1).astype(jnp.int32)
-    if pairs_tile_alone(P, num_experts):
+    if pairs_tile_alone(P, top_k):
         G = P
         row_P = jnp.where(valid, jnp.arange(P) * block_m, G * block_m)
         expert_G, used_G = expert, valid

@@ -29,7 +29,7 @@ def test_tiles_hold_each_routed_pair_once_with_its_expert(tokens, num_experts, t
     ids = routed_ids(tokens, num_experts, top_k, seed=tokens)
     ids[0, 0] = num_experts  # another shard's expert: dropped
     flat = ids.reshape(-1)
-    tiles = jax.tree.map(np.asarray, expert_tiles(jnp.asarray(flat), num_experts, block_m))
+    tiles = jax.tree.map(np.asarray, expert_tiles(jnp.asarray(flat), num_experts, block_m, top_k))
     P = ids.size
     routed = [p for p in range(P) if flat[p] < num_experts]
     filled = tiles.pair_GM[tiles.pair_GM < P]
@@ -40,7 +40,7 @@ def test_tiles_hold_each_routed_pair_once_with_its_expert(tokens, num_experts, t
         pairs = row[row < P]
         assert tiles.used_G[g] == (len(pairs) > 0)
         assert (flat[pairs] == tiles.expert_G[g]).all()
-    if pairs_tile_alone(P, num_experts):
+    if pairs_tile_alone(P, top_k):
         assert len(tiles.pair_GM) == P and tiles.used_G.sum() == len(routed)
         return
     used = tiles.used_G.sum()
@@ -59,7 +59,7 @@ def test_tile_rows_grow_with_the_pairs_per_expert():
 def test_kernel_computes_its_reference(tiling, dtype):
     E, K, N, top_k = 6, 64, 64, 2
     ids = routed_ids(9, E, top_k, seed=1).reshape(-1)
-    tiles = expert_tiles(jnp.asarray(ids), E, 16)
+    tiles = expert_tiles(jnp.asarray(ids), E, 16, top_k)
     key_x, key_w = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (*tiles.pair_GM.shape, K), jnp.float32).astype(dtype)
     weights = jax.random.normal(key_w, (E, K, N), jnp.float32).astype(dtype)
@@ -72,7 +72,7 @@ def test_kernel_computes_its_reference(tiling, dtype):
 
 
 def test_a_tiling_that_does_not_divide_is_refused():
-    tiles = expert_tiles(jnp.zeros(2, jnp.int32), 2, 16)
+    tiles = expert_tiles(jnp.zeros(2, jnp.int32), 2, 16, 1)
     with pytest.raises(ValueError, match="does not divide"):
         grouped_matmul_pallas(jnp.zeros((*tiles.pair_GM.shape, 48)), jnp.zeros((2, 48, 32)), tiles, top_k=1,
                               tiling=Tiling(32, 32, 1))

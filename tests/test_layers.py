@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.layers import dot_general
+from dflash_jax.layers import dot_general, runs_as_two_rows
 
 NN = (((1,), (0,)), ((), ()))   # [M, K] x [K, N]
 NT = (((1,), (1,)), ((), ()))   # [M, K] x [N, K] (the tied LM head)
@@ -39,3 +39,33 @@ def test_one_bf16_row_runs_as_two_with_a_float32_result():
     assert "tensor<2x40xf32>" in hlo and "tensor<1x40xbf16>" in hlo
     hlo32 = jax.jit(lambda x, w: dot_general(x, w, NN)).lower(x.astype(jnp.float32), w.astype(jnp.float32)).as_text()
     assert "tensor<2x40" not in hlo32 and "tensor<1x40xf32>" in hlo32
+
+
+@pytest.mark.parametrize("shape, backend, dtype, expect", [
+    ((4096, 2048), "gpu", jnp.bfloat16, True),    # Qwen3-30B-A3B o_proj: XLA's multiply + reduce otherwise
+    ((2048, 128), "gpu", jnp.bfloat16, True),     # its router
+    ((2048, 5120), "gpu", jnp.bfloat16, False),   # its qkv_proj: already a matrix kernel
+    ((4096, 4096), "gpu", jnp.bfloat16, False),
+    ((2880, 32), "gpu", jnp.bfloat16, False),     # gpt-oss's router: cuBLAS as two rows, slower than the reduce
+    ((576, 576), "cpu", jnp.bfloat16, True),
+    ((576, 576), "cpu", jnp.float32, False),
+    ((576, 576), "tpu", jnp.bfloat16, False),
+])
+def test_which_one_row_products_run_as_two(shape, backend, dtype, expect):
+    """The policy `bench.kernels.one_row_products` measured on the H200 (and XLA CPU's)."""
+    K, N = shape
+    one_row = jax.ShapeDtypeStruct((1, K), dtype)
+    assert runs_as_two_rows(one_row, jax.ShapeDtypeStruct((K, N), dtype), NN, backend) is expect
+    two_rows = jax.ShapeDtypeStruct((2, K), dtype)
+    assert not runs_as_two_rows(two_rows, jax.ShapeDtypeStruct((K, N), dtype), NN, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA GPU's lowering")
+def test_one_row_o_proj_is_a_matrix_kernel_on_the_gpu():
+    """A Qwen3-30B-A3B-shaped one-row o_proj compiles to a matrix kernel, not XLA's reduce."""
+    x, w = jnp.ones((1, 4096), jnp.bfloat16), jnp.ones((4096, 2048), jnp.bfloat16)
+    compiled = jax.jit(lambda x, w: dot_general(x, w, NN)).lower(x, w).compile().as_text().lower()
+    assert "reduce_fusion" not in compiled and ("gemm" in compiled or "cublas" in compiled)
+    plain = jax.jit(lambda x, w: jax.lax.dot_general(x, w, NN)).lower(x, w).compile().as_text().lower()
+    assert "reduce_fusion" in plain  # what the two rows avoid (if XLA changes its rule, revisit the limit)
