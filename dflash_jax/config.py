@@ -236,6 +236,12 @@ def parse_drafter_config(raw: dict[str, Any]) -> DrafterConfig:
             "sample_from_anchor=true is the DSpark variant, not DFlash; "
             "use a drafter trained without it."
         )
+    if field("attention_sink_bias", False) or raw.get("add_swa_attention_sink_bias", False):
+        raise ConfigError(
+            "this drafter has attention sinks (attention_sink_bias: a learned logit per head, as "
+            "Model-Optimizer exports write); dflash-jax's drafter attention has none yet: use a drafter "
+            "without them (z-lab's gpt-oss drafters have none)."
+        )
     num_layers = _required(raw, "num_hidden_layers")
     num_target_layers = field("num_target_layers")
     target_layer_ids = field("target_layer_ids")

@@ -104,6 +104,8 @@ def test_attention_bias_and_gemma_scalars():
         (dict(architectures=["DFlash2DraftModel"]), "a DFlash2DraftModel needs dflash_config.conv_kernel_size"),
         (dict(architectures=["GPT2LMHeadModel"]), "unsupported target architecture 'GPT2LMHeadModel'"),
         (dict(dflash_sample_from_anchor=True), "sample_from_anchor=true is the DSpark variant"),
+        (dict(dflash_attention_sink_bias=True), "this drafter has attention sinks"),
+        (dict(add_swa_attention_sink_bias=True), "this drafter has attention sinks"),
         (dict(dflash_mask_token_id=None), "no mask_token_id"),
         (dict(dflash_mask_token_id=200000), "mask_token_id 200000 is outside the vocabulary"),
         (dict(layer_types=["sliding_attention"] * 5), "sliding_window must be a positive integer"),

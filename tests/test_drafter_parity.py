@@ -18,6 +18,11 @@ CASES = {
     ),
     "attention-bias-mha": dict(attention_bias=True, num_key_value_heads=4, head_dim=24),
     "is-causal-override": dict(is_causal=True),
+    # as z-lab publishes its gpt-oss drafters: model_type gpt_oss, q/k/v/o biases (no sinks),
+    # head_dim unlike hidden / heads, YaRN RoPE at gpt-oss's theta
+    "gpt-oss-published": dict(model_type="gpt_oss", attention_bias=True, head_dim=24, rope_theta=150000.0,
+                              rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                                            "original_max_position_embeddings": 8}),
     "gemma-scalars": dict(
         dflash_config={
             "mask_token_id": 95,
