@@ -74,7 +74,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     backend = jax.default_backend()
     as_two = runs_as_two_rows(lhs, rhs, dimension_numbers, backend)
     if as_two:  # [1, K] (or [K, 1]) -> two rows, then the first row of the result
-        lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - dimension_numbers[0][0][0])
+        (lhs_contract, _), _ = dimension_numbers
+        lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - lhs_contract[0])
     f32_result = backend == "cpu" and lhs.dtype == jnp.bfloat16
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
     out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,

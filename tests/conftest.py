@@ -20,19 +20,19 @@ import dflash_jax.cli
 # serializing executables that no test asked to keep). Commands run as subprocesses keep it.
 dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 
+# The tiny models run in microseconds and compile in seconds: XLA CPU's code generation at
+# optimization level 0 compiles them ~20% faster (a flag of the CPU backend's LLVM pipeline;
+# programs compute the same values). Set before any backend starts, so this process, its
+# workers and the commands they run inherit it; the notebooks' kernels drop it (test_notebooks).
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+
 # Most of the suite's time is XLA compiling the same few tiny programs again: in the other
 # pytest-xdist worker, in the next module (whose models have the same shapes), and after
 # `release_compiled_programs`. One persistent compilation cache for the run, in a temporary
 # folder the first process makes and the workers it starts inherit, compiles each once.
 # Only this process uses it: commands run as subprocesses keep their own (their tests check it).
-# The tiny models run in microseconds and compile in seconds: XLA CPU's code generation at
-# optimization level 0 compiles them ~20% faster (a flag of the CPU backend's LLVM pipeline;
-# programs compute the same values). Set before any backend starts, so this process, its
-# workers, notebook kernels and commands run as subprocesses all inherit it.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
-
 TEST_COMPILE_CACHE_ENV = "DFLASH_JAX_TEST_COMPILE_CACHE"
 OWNS_TEST_COMPILE_CACHE = TEST_COMPILE_CACHE_ENV not in os.environ
 if OWNS_TEST_COMPILE_CACHE:
