@@ -87,7 +87,7 @@ def default_tiling(K: int, N: int, block_in: int | None, *, programs: int = 264)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
-            finish: bool):
+            finish: bool, transposed: bool):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     rows, cols = pl.ds(row_block * block_m, block_m), pl.ds(col_block * bn, bn)
@@ -95,8 +95,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
     def step(j, acc):
         k0 = (split * steps + j) * bk
         x = x_ref[rows, pl.ds(k0, bk)]
-        w = w_ref[pl.ds(k0, bk), cols].astype(x.dtype)
-        product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if transposed:
+            w = w_ref[cols, pl.ds(k0, bk)].astype(x.dtype)
+            product = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        else:
+            w = w_ref[pl.ds(k0, bk), cols].astype(x.dtype)
+            product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         if block_in is not None:
             product = product * s_ref[pl.ds(k0 // block_in, 1), cols]
         return acc + product
@@ -111,16 +115,20 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
 
 
 def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, tiling: Tiling | None = None,
-                            interpret: bool | None = None):
+                            interpret: bool | None = None, transposed: bool = False):
     """`quantized_matmul_reference` (same arguments and result) as one kernel: x [..., K] in a
     float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32 (R: 1, or one row
     per block of `block_in` input rows). A weight no tile
     fits (K or N without a power-of-two divisor of 16 or more) takes the reference.
+    transposed: values given as [N, K] (each output column's input rows contiguous, PyTorch's
+    layout), which Triton turns into product operands with fewer shuffles.
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
     *lead, K = x_TI.shape
-    N = values_IO.shape[1]
+    N = values_IO.shape[0 if transposed else 1]
     tiling = tiling or default_tiling(K, N, block_in)
     if tiling is None:
+        if transposed:
+            return quantized_matmul_reference(x_TI, values_IO.T, scales, block_in)
         return quantized_matmul_reference(x_TI, values_IO, scales, block_in)
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
@@ -135,7 +143,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     out_shape = ((padded, N), x_TI.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
-                          block_in=block_in, finish=finish),
+                          block_in=block_in, finish=finish, transposed=transposed),
         out_shape=jax.ShapeDtypeStruct(*out_shape),
         grid=(N // tiling.block_n, tiling.splits, padded // block_m),
         interpret=interpret,

@@ -42,10 +42,12 @@ def test_kernel_matches_reference_and_oracle(rows, K, N, weights, block_in):
     x = jnp.asarray(np.random.default_rng(1).normal(size=(rows, K)), jnp.float32)
     expected = oracle(x, values, scales, block_in)
     got = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
+    transposed = quantized_matmul_pallas(x, values.T, scales, block_in, interpret=True, transposed=True)
     reference = quantized_matmul_reference(x, values, scales, block_in)
-    assert got.shape == (rows, N) and got.dtype == jnp.float32
+    assert got.shape == transposed.shape == (rows, N) and got.dtype == jnp.float32
     scale = np.abs(expected).max()
     np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * scale * np.sqrt(K / 256))
+    np.testing.assert_allclose(np.asarray(transposed), expected, atol=2e-6 * scale * np.sqrt(K / 256))
     np.testing.assert_allclose(np.asarray(reference), expected, atol=2e-6 * scale * np.sqrt(K / 256))
 
 
@@ -82,6 +84,40 @@ def test_tilings():
                                   np.asarray(quantized_matmul_reference(x, values, scales, None)))
     with pytest.raises(ValueError, match="does not divide"):
         quantized_matmul_pallas(x, values, scales, None, tiling=Tiling(64, 128, 1), interpret=True)
+
+
+def every_code(weights):
+    """All 256 8-bit codes as int8 or float8_e4m3fn, and which of them are finite."""
+    codes = jnp.asarray(np.arange(256, dtype=np.uint8).view(np.int8))
+    if weights == "int8":
+        return codes, np.ones(256, bool)
+    values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return values, np.isfinite(np.asarray(values.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("weights,block_in", [("int8", None), ("int8", 128), ("fp8", 128)])
+def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transposed):
+    """Identity rows pick single weights out, so the compiled kernel's result must equal the
+    reference's bit for bit (its conversion of every code exact); random rows within rounding."""
+    values, finite = every_code(weights)
+    K, N = 256, 256
+    codes = jnp.where(jnp.asarray(finite), values, values[0])  # NaNs out: every row holds each other code
+    values = codes[(np.arange(K)[:, None] + np.arange(N)[None, :]) % 256]
+    rows = K // (block_in or K)
+    scales = jnp.asarray(np.random.default_rng(5).uniform(0.5, 2.0, size=(rows, N)), jnp.float32)
+    product = jax.jit(lambda x: quantized_matmul_pallas(x, values.T if transposed else values, scales, block_in,
+                                                        transposed=transposed))
+    x = jnp.eye(64, K, dtype=jnp.bfloat16)
+    got = product(x)
+    expected = quantized_matmul_reference(x, values, scales, block_in)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(16, K)), jnp.bfloat16)
+    got = product(x)
+    expected = oracle(np.asarray(x, np.float32), values, scales, block_in)
+    np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=1e-2 * np.abs(expected).max())
 
 
 def test_kernels_choose_the_product():

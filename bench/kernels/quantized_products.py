@@ -63,6 +63,8 @@ def main(argv=None):
     parser.add_argument("--sweep-rows", default="1,16", help="the rows M the sweep runs at")
     parser.add_argument("--sweep-block", type=int, default=128,
                         help="the swept weights' input rows per scale (0: per column)")
+    parser.add_argument("--sweep-transposed", action="store_true",
+                        help="sweep weights stored [N, K] (each column's input rows contiguous)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
@@ -97,6 +99,10 @@ def main(argv=None):
                 lambda x, v, s, block=block: quantized_matmul_reference(x, v, s, block), ws, nb)
             variants[f"pallas-{tag}"] = (
                 lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret), ws, nb)
+            variants[f"pallas-{tag}-nk"] = (
+                lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret,
+                                                                     transposed=True),
+                [(v.T, s) for v, s in ws], nb)
         for M in rows_list:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -110,6 +116,8 @@ def main(argv=None):
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
             block = args.sweep_block or None
             ws = quantized["int8", block]
+            if args.sweep_transposed:
+                ws = [(v.T, s) for v, s in ws]
             nb = K * N + ws[0][1].size * 4
             for bk, bn, splits, warps, stages in itertools.product(
                     *[[int(v) for v in part.split(",")] for part in args.sweep.split(":")]):
@@ -117,8 +125,8 @@ def main(argv=None):
                     continue
                 tiling = Tiling(bk, bn, splits, warps, stages)
                 fn = lambda x, v, s, block=block, tiling=tiling: quantized_matmul_pallas(
-                    x, v, s, block, tiling=tiling, interpret=interpret)
-                variant = f"sweep{'-b128' if block else ''}"
+                    x, v, s, block, tiling=tiling, interpret=interpret, transposed=args.sweep_transposed)
+                variant = f"sweep{'-b128' if block else ''}{'-nk' if args.sweep_transposed else ''}"
                 try:
                     seconds = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # a tiling Triton cannot compile is reported, not fatal

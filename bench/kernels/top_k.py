@@ -9,10 +9,9 @@ indices, ties to the lower index) on the timed input.
 Variants:
   lax.top_k      what the selector runs;
   sliced C       each of C slices' top k, then the top k of their winners (slices of k or more);
-  chunk-max C    (C >= k) each of C slices' maximum; the k slices with the largest maxima hold
-                 every top-k element (a slice outside them has its maximum, so all its
-                 elements, at or below the k-th largest maximum, which k elements reach), and
-                 ties fall to the lower slice; those k slices, in index order, go to one top-k.
+  chunk-max C    (C >= k) `dflash_jax.top_k.chunk_max_top_k`: each of C slices' maximum, the
+                 k slices with the largest maxima, in index order, to one top-k (what the
+                 DFlash 2 selector runs at large vocabularies).
 """
 
 from __future__ import annotations
@@ -46,22 +45,11 @@ def sliced_top_k(x_NV, k: int, chunks: int):
     return top, jnp.take_along_axis(index.reshape(*lead, chunks * k), picked, axis=-1)
 
 
-def chunk_max_top_k(x_NV, k: int, chunks: int):
-    import jax
-    import jax.numpy as jnp
-
-    slices, width = _slices(x_NV, chunks)
-    _, best = jax.lax.top_k(slices.max(axis=-1), k)
-    best = jnp.sort(best, axis=-1)  # index order: the final top-k's ties fall to the lower index
-    kept = jnp.take_along_axis(slices, best[..., None], axis=-2)
-    index = (best[..., None] * width + jnp.arange(width, dtype=best.dtype)).reshape(*x_NV.shape[:-1], k * width)
-    top, picked = jax.lax.top_k(kept.reshape(*x_NV.shape[:-1], k * width), k)
-    return top, jnp.take_along_axis(index, picked, axis=-1)
-
-
 def main(argv=None):
     import jax
     import jax.numpy as jnp
+
+    from dflash_jax.top_k import chunk_max_top_k
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_output_arguments(parser, out_default="top_k.json")

@@ -20,6 +20,7 @@ from dflash_jax import sampling
 from dflash_jax.config import DFlash2Config
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import DecoderLayer, apply_linear, linear
+from dflash_jax.top_k import top_k
 
 
 def grouped_causal_convolve(h_BD, dynamic_BKG, base_KD, group_size: int):
@@ -98,7 +99,7 @@ class CandidateSelector(nnx.Module):
 
     def candidates(self, logits_NV):
         """(float32 logits [..., K], token ids [..., K]) of each position's top-K candidates."""
-        return jax.lax.top_k(logits_NV.astype(jnp.float32), self.top_k)
+        return top_k(logits_NV.astype(jnp.float32), self.top_k)
 
     def pairings(self, projected_NQ, previous_NA, candidates_NK):
         """float32 [..., A, K]: predecessor[previous a] * projected hidden . successor[candidate
