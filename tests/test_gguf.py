@@ -107,9 +107,10 @@ def gguf_writer(path, architecture: str, tokenizer_model: str, pre: str):
 
 
 def write_tensors(writer, tensors: dict, qtypes: dict):
-    """The tensors, each stored as `qtypes` names its kind (F32 otherwise), and the file closed."""
+    """The tensors, each weight stored as `qtypes` names its kind (F32 otherwise, and biases
+    always), and the file closed."""
     for name, array in tensors.items():
-        qtype = qtypes.get(name.split(".")[-2], Q.F32)
+        qtype = qtypes.get(name.split(".")[-2], Q.F32) if name.endswith(".weight") else Q.F32
         writer.add_tensor(name, gguf.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -389,3 +390,87 @@ def test_qwen3_gguf_matches_transformers(tmp_path, moe):
         ref = transformers_from_gguf(path)(torch.tensor(ids)[None]).logits[0]
     assert rel_err(dflash_jax.target_forward(target, ids)[0], ref) <= 1e-4
     assert_tokenizers_agree(path, tmp_path / "out", TEXTS + ["x = 12345\r\n\n  y's"])
+
+
+def mxfp4_exact(w_EOI: np.ndarray) -> np.ndarray:
+    """w rounded to the MXFP4 values it would be stored as (blocks of 32 along the last axis)."""
+    return gguf.dequantize(gguf.quantize(w_EOI.astype(np.float32), Q.MXFP4), Q.MXFP4).reshape(w_EOI.shape)
+
+
+def write_gpt_oss_gguf(path, hf, *, fused: bool):
+    """A gpt-oss GGUF as llama.cpp's converter writes one from `hf` (a transformers
+    GptOssForCausalLM whose experts it first rounds to MXFP4 values, so both hold the same
+    weights): gate and up de-interleaved into per-kind stacks [E, I, D] (or `fused` into one
+    [E, 2I, D]), down as [E, D, I], experts in MXFP4 blocks, sinks as `attn_sinks.weight`."""
+    cfg, state = hf.config, {k: v.detach().numpy().astype(np.float64) for k, v in hf.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"],
+               "output.weight": state["lm_head.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        hf_layer = f"model.layers.{i}"
+        tensors[f"blk.{i}.attn_norm.weight"] = state[f"{hf_layer}.input_layernorm.weight"]
+        tensors[f"blk.{i}.post_attention_norm.weight"] = state[f"{hf_layer}.post_attention_layernorm.weight"]
+        for gguf_name, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                                ("attn_output", "o_proj")):
+            for suffix in ("weight", "bias"):
+                tensors[f"blk.{i}.{gguf_name}.{suffix}"] = state[f"{hf_layer}.self_attn.{proj}.{suffix}"]
+        tensors[f"blk.{i}.attn_sinks.weight"] = state[f"{hf_layer}.self_attn.sinks"]
+        for suffix in ("weight", "bias"):
+            tensors[f"blk.{i}.ffn_gate_inp.{suffix}"] = state[f"{hf_layer}.mlp.router.{suffix}"]
+        experts = hf.model.layers[i].mlp.experts
+        gate_up = state[f"{hf_layer}.mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2I, D], rows interleaved
+        gate, up = mxfp4_exact(gate_up[:, ::2]), mxfp4_exact(gate_up[:, 1::2])
+        down = mxfp4_exact(state[f"{hf_layer}.mlp.experts.down_proj"].transpose(0, 2, 1))  # [E, D, I]
+        with torch.no_grad():
+            experts.gate_up_proj[:, :, ::2] = torch.tensor(gate.transpose(0, 2, 1))
+            experts.gate_up_proj[:, :, 1::2] = torch.tensor(up.transpose(0, 2, 1))
+            experts.down_proj.copy_(torch.tensor(down.transpose(0, 2, 1)))
+        bias = state[f"{hf_layer}.mlp.experts.gate_up_proj_bias"]
+        if fused:
+            tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+            tensors[f"blk.{i}.ffn_gate_up_exps.bias"] = np.concatenate([bias[:, ::2], bias[:, 1::2]], axis=1)
+        else:
+            tensors.update({f"blk.{i}.ffn_gate_exps.weight": gate, f"blk.{i}.ffn_up_exps.weight": up,
+                            f"blk.{i}.ffn_gate_exps.bias": bias[:, ::2], f"blk.{i}.ffn_up_exps.bias": bias[:, 1::2]})
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = down
+        tensors[f"blk.{i}.ffn_down_exps.bias"] = state[f"{hf_layer}.mlp.experts.down_proj_bias"]
+    rope = cfg.rope_parameters
+    writer = gguf_writer(path, "gpt-oss", "gpt2", "gpt-4o")
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_sliding_window(cfg.sliding_window)
+    experts_mxfp4 = {kind: Q.MXFP4 for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")}
+    write_tensors(writer, tensors, experts_mxfp4)
+    return path
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate-and-up", "fused-gate-up"])
+def test_gpt_oss_gguf_matches_transformers(tmp_path, fused):
+    """gpt-oss as llama.cpp writes it (MXFP4 experts, biases, sinks, alternating windows, YaRN)
+    converts to the logits of the transformers model holding the same weights."""
+    from test_gpt_oss import make_hf_gpt_oss
+
+    hf = make_hf_gpt_oss(vocab_size=len(tiny_vocab()), max_position_embeddings=256)
+    path = write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", hf, fused=fused)
+    assert run_cli(path, tmp_path / "out") == 0
+    target = dflash_jax.load_target(tmp_path / "out")
+    assert [layer.window for layer in target.cfg.attention_layers] == [6, None] and target.cfg.attention_sinks
+    ids = np.random.default_rng(1).integers(0, target.cfg.vocab_size, size=40)  # past the window
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0]
+    assert rel_err(dflash_jax.target_forward(target, ids)[0], ref) <= 1e-4
+    # o200k's split (transformers' GGUF loader cannot read gpt-oss files: no oracle there)
+    from tokenizers import Tokenizer
+
+    split = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).pre_tokenizer.pre_tokenize_str
+    text = "HelloWorld it's 1234567 a/b\n\nOK!!\n  DON'T"
+    pieces = [piece.replace("Ġ", " ").replace("Ċ", "\n") for piece, _ in split(text)]
+    assert pieces == ["Hello", "World", " it's", " ", "123", "456", "7", " a", "/b", "\n\n", "OK", "!!\n", " ",
+                      " DON'T"]

@@ -28,12 +28,12 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_la
               tie_word_embeddings=False)
 
 
-def make_hf_gpt_oss(seed=0):
+def make_hf_gpt_oss(seed=0, **config):
     """Random float32 weights with every part visible: sinks, biases and norms drawn, a sharp
     router, experts large enough to reach the SwiGLU's clamp, and an LM head dominated by two
-    tokens (a random drafter is often right)."""
+    tokens (a random drafter is often right). `config` overrides CONFIG."""
     torch.manual_seed(seed)
-    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **config}))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in hf.named_parameters():

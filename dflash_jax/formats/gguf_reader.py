@@ -4,9 +4,10 @@ GGUF keeps the config in `<architecture>.*` metadata and the weights under llama
 (`blk.N.attn_q.weight`, ...), often block-quantized. This module turns the metadata into the
 `TargetConfig` the rest of the project uses (written out as a HF `config.json`) and serves
 each tensor dequantized to float32 in the HF layout, so `hf_to_nnx` converts it with the same
-rules and shape checks as a safetensors folder. The llama, qwen3 and qwen3moe architectures
-are read; a qwen3moe file's stacked experts (`ffn_gate_exps`, ...) are served one expert at a
-time under the names of HF's per-expert tensors.
+rules and shape checks as a safetensors folder. The llama, qwen3, qwen3moe and gpt-oss
+architectures are read; a qwen3moe file's stacked experts (`ffn_gate_exps`, ...) are served one
+expert at a time under the names of HF's per-expert tensors, a gpt-oss file's (MXFP4 blocks,
+dequantized) as HF's stacked tensors with gate and up columns interleaved.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.config import ExpertsConfig, RopeConfig, TargetConfig
+from dflash_jax.config import ConfigError, ExpertsConfig, RopeConfig, TargetConfig, parse_target_config
 from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.hf_reader import ConversionError, TensorSource
 from dflash_jax.formats.weight_map import WeightRule, target_rules
@@ -40,14 +41,21 @@ BLOCK_TENSORS = {
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",
 }
+# Names a gpt-oss file gives parts that other files name as BLOCK_TENSORS does.
+GPT_OSS_ALIASES = {"post_attention_norm": "ffn_norm"}
 # Stacked experts [experts, out, in] -> HF's per-expert names (`mlp.experts.E.<name>`).
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # GGUF architecture -> the HF one it is read as.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 Q8_0, Q8_0_BLOCK = 8, 32  # GGMLQuantizationType.Q8_0, and its block of input columns
 _HF_TO_GGUF = {hf: gguf for gguf, hf in MODEL_TENSORS.items()}
-_HF_BLOCK_TO_GGUF = {hf: gguf for gguf, hf in BLOCK_TENSORS.items()}
+_HF_BLOCK_TO_GGUF = {hf: gguf for gguf, hf in BLOCK_TENSORS.items()} | {"mlp.router": "ffn_gate_inp"}
+# gpt-oss's stacked HF expert tensors, served under these names (`blk.N.` + name) built from the
+# file's per-kind stacks; and its attention sinks, a bare HF parameter.
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+GPT_OSS_STACKS = (*EXPERT_TENSORS, "ffn_gate_up_exps")
 _HF_EXPERT_TO_GGUF = {hf: gguf for gguf, hf in EXPERT_TENSORS.items()}
 
 
@@ -60,6 +68,9 @@ def gguf_tensor_name(hf_name: str) -> str:
     `model.layers.3.mlp.experts.5.gate_proj.weight` -> `blk.3.ffn_gate_exps.5.weight` (a name
     `open_gguf` serves as one expert of the file's stacked `blk.3.ffn_gate_exps.weight`)."""
     stem, suffix = hf_name.rsplit(".", 1)
+    if suffix in GPT_OSS_EXPERTS or suffix == "sinks":
+        layer = stem.removeprefix("model.layers.").split(".", 1)[0]
+        return f"blk.{layer}.attn_sinks.weight" if suffix == "sinks" else f"blk.{layer}.experts.{suffix}"
     if stem.startswith("model.layers."):
         layer, module = stem.removeprefix("model.layers.").split(".", 1)
         if module.startswith("mlp.experts."):
@@ -107,7 +118,8 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     a name the file does not have), with the config saying so (`GGUF_Q8_0`)."""
     reader = open_gguf_reader(path)
     metadata = gguf_metadata(reader)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    gpt_oss = metadata.get("general.architecture") == "gpt-oss"
+    tensors = {_gpt_oss_name(tensor.name) if gpt_oss else tensor.name: tensor for tensor in reader.tensors}
     rope_freqs = tensors.pop("rope_freqs.weight", None)
     cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name,
                                   None if rope_freqs is None else np.asarray(rope_freqs.data, np.float32))
@@ -120,33 +132,36 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     experts = {}  # `blk.N.ffn_gate_exps.E.weight` -> (the stacked tensor's name, E)
     for name, tensor in tensors.items():
         block, layer, kind, suffix = (name.split(".") + [""] * 4)[:4]
-        if kind in EXPERT_TENSORS:
+        if kind in EXPERT_TENSORS and not gpt_oss:
             experts.update({f"{block}.{layer}.{kind}.{e}.{suffix}": (name, e) for e in range(int(tensor.shape[-1]))})
 
-    @functools.lru_cache(maxsize=len(EXPERT_TENSORS))  # a layer's experts are read one at a time, in turn
-    def stacked_experts(name: str) -> np.ndarray:
+    def dequantized(name: str) -> np.ndarray:
         from gguf import dequantize
 
-        return dequantize(tensors[name].data, tensors[name].tensor_type)
+        try:
+            return dequantize(tensors[name].data, tensors[name].tensor_type)
+        except NotImplementedError as err:
+            raise ConversionError(f"cannot dequantize {name!r} ({tensors[name].tensor_type.name}): {err}") from err
+
+    stacked_experts = functools.lru_cache(maxsize=len(EXPERT_TENSORS))(dequantized)  # a layer's experts, in turn
+    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    stacked_hf = _gpt_oss_experts(cfg.num_layers, shapes, dequantized) if gpt_oss else {}
 
     def get(name: str) -> np.ndarray:
-        from gguf import dequantize
-
+        if name in stacked_hf:
+            return stacked_hf[name][1]()
         if name in experts:
             stacked, expert = experts[name]
             return stacked_experts(stacked)[expert]
-        tensor = tensors[scales.get(name, name)]
-        if eight_bit and tensor.name in projections:
-            array = q8_0_parts(tensor.data)[name in scales]
-        else:
-            try:
-                array = dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError as err:
-                raise ConversionError(f"cannot dequantize {name!r} ({tensor.tensor_type.name}): {err}") from err
+        stored = scales.get(name, name)
+        array = q8_0_parts(tensors[stored].data)[name in scales] if eight_bit and stored in projections else \
+            dequantized(stored)
         kind = name.split(".")[2] if name.startswith("blk.") else None
         return unpermute_rows(array, heads[kind]) if kind in heads else array
 
-    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    if gpt_oss:  # the per-kind stacks are read only through `stacked_hf`
+        shapes = {name: shape for name, shape in shapes.items() if _kind(name) not in GPT_OSS_STACKS}
+    shapes.update({name: shape for name, (shape, _) in stacked_hf.items()})
     shapes.update({name: shapes[stacked][1:] for name, (stacked, _) in experts.items()})
     for stacked in {stacked for stacked, _ in experts.values()}:
         del shapes[stacked]
@@ -155,6 +170,61 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     if eight_bit:
         cfg = dataclasses.replace(cfg, quantization=GGUF_Q8_0)
     return to_hf_config(cfg), TensorSource(shapes, get)
+
+
+def _kind(name: str) -> str:
+    """`blk.N.<kind>.<suffix>` -> kind; '' for whole-model tensors."""
+    parts = name.split(".")
+    return parts[2] if name.startswith("blk.") and len(parts) > 3 else ""
+
+
+def _gpt_oss_name(name: str) -> str:
+    """A gpt-oss file's tensor name as other files name the same part."""
+    block, layer, kind, suffix = (name.split(".", 3) + [""] * 4)[:4]
+    return f"{block}.{layer}.{GPT_OSS_ALIASES[kind]}.{suffix}" if kind in GPT_OSS_ALIASES else name
+
+
+def _gpt_oss_experts(num_layers: int, shapes: dict, dequantized) -> dict[str, tuple[tuple, object]]:
+    """`blk.N.experts.<HF name>` -> (shape, loader) of gpt-oss's stacked HF expert tensors, from
+    the file's gate, up and down stacks ([E, I, D], [E, I, D], [E, D, I]; llama.cpp may fuse gate
+    and up into `ffn_gate_up_exps` [E, 2I, D], gate rows first) and their biases. HF interleaves
+    gate and up columns (`gate_up_proj` [E, D, 2I]) and stores down as [E, I, D]."""
+    out = {}
+    for i in range(num_layers):
+        blk = f"blk.{i}"
+        fused = f"{blk}.ffn_gate_up_exps.weight" in shapes
+
+        def gate_and_up(suffix: str, blk=blk, fused=fused):
+            if fused:
+                both = dequantized(f"{blk}.ffn_gate_up_exps.{suffix}")
+                return np.split(both, 2, axis=1 if suffix == "weight" else -1)
+            return dequantized(f"{blk}.ffn_gate_exps.{suffix}"), dequantized(f"{blk}.ffn_up_exps.{suffix}")
+
+        def gate_up_proj(gate_up=gate_and_up):
+            gate, up = gate_up("weight")  # [E, I, D] each
+            return np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=-1).reshape(*gate.shape[::2], -1)
+
+        def gate_up_bias(gate_up=gate_and_up):
+            gate, up = gate_up("bias")  # [E, I] each
+            return np.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
+
+        def down_proj(blk=blk):
+            return dequantized(f"{blk}.ffn_down_exps.weight").transpose(0, 2, 1)
+
+        def down_bias(blk=blk):
+            return dequantized(f"{blk}.ffn_down_exps.bias")
+
+        down = shapes.get(f"{blk}.ffn_down_exps.weight")
+        if down is None:
+            raise ConversionError(f"the gpt-oss file has no {blk}.ffn_down_exps.weight; the file is incomplete.")
+        experts, hidden, inter = down
+        out.update({
+            f"{blk}.experts.gate_up_proj": ((experts, hidden, 2 * inter), gate_up_proj),
+            f"{blk}.experts.gate_up_proj_bias": ((experts, 2 * inter), gate_up_bias),
+            f"{blk}.experts.down_proj": ((experts, inter, hidden), down_proj),
+            f"{blk}.experts.down_proj_bias": ((experts, hidden), down_bias),
+        })
+    return out
 
 
 def q8_0_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +277,8 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
     if vocab_size is None:
         raise ConversionError(f"{file_name} has neither a token list nor {architecture}.vocab_size metadata.")
     layers = int(field("block_count"))
+    if architecture == "gpt-oss":
+        return _gpt_oss_config(field, int(vocab_size), layers, "output.weight" not in tensor_names, file_name)
     experts = None
     if architecture == "qwen3moe":  # every layer sparse; llama.cpp renormalises the chosen experts' weights
         experts = ExpertsConfig(num_experts=int(field("expert_count")), top_k=int(field("expert_used_count")),
@@ -232,6 +304,35 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
         qk_norm=architecture != "llama",
         experts=experts,
     )
+
+
+def _gpt_oss_config(field, vocab_size: int, layers: int, tied: bool, file_name: str) -> TargetConfig:
+    """gpt-oss as its HF config.json says it, parsed by the same rules. llama.cpp stores none of
+    what the architecture fixes: windows on even layers, YaRN without truncated ramp ends, the
+    clamped SwiGLU's constants."""
+    rope = {"rope_type": "yarn", "rope_theta": float(field("rope.freq_base")),
+            "factor": float(field("rope.scaling.factor")),
+            "original_max_position_embeddings": int(field("rope.scaling.original_context_length")),
+            "beta_fast": float(field("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(field("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    heads = int(field("attention.head_count"))
+    raw = {
+        "architectures": ["GptOssForCausalLM"], "vocab_size": vocab_size, "num_hidden_layers": layers,
+        "hidden_size": int(field("embedding_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(field("attention.head_count_kv", heads)),
+        "head_dim": int(field("attention.key_length")),
+        "intermediate_size": int(field("expert_feed_forward_length", field("feed_forward_length", 0))),
+        "num_local_experts": int(field("expert_count")), "num_experts_per_tok": int(field("expert_used_count")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(field("context_length")), "tie_word_embeddings": tied,
+        "sliding_window": int(field("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "rope_parameters": rope,
+    }
+    try:
+        return parse_target_config(raw)
+    except ConfigError as err:
+        raise ConversionError(f"{file_name}: {err}") from err
 
 
 def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int, file_name: str) -> RopeConfig:
