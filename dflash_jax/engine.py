@@ -35,11 +35,12 @@ from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.cycle import CycleConfig, DecodeState
 from dflash_jax.flat_models import flatten_models
 from dflash_jax.kernels import Kernels, check_kernels
-from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes
+from dflash_jax.kv_cache import DraftCacheGroups, PageAllocator, kv_cache_bytes, pages_within
 from dflash_jax.models import Drafter, Target
 from dflash_jax.placement import on_one_mesh
 from dflash_jax.prefix_cache import PrefixCache, PrefixCacheStats
 from dflash_jax.prefix_states import SavedStates
+from dflash_jax.recurrent_state import recurrent_state_bytes
 from dflash_jax.requests import (
     DraftCounts, RequestOutput, RequestStats, SamplingParams, TokenLogprobs, check_count, check_logit_bias,
     check_logprobs, check_penalties, check_prompt, check_request, check_stop_token_ids,
@@ -163,7 +164,8 @@ class Engine:
         # unless their context is cached with the target's pages.
         windows = self._groups.windows[1:] if self._groups and not self.prefix_caching else ()
         if num_pages is None:
-            num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes, len(windows))
+            states = max_num_reqs + (saved_states.capacity if saved_states else 0)  # a hybrid's slots, saved
+            num_pages = self._pages_for_budget(target, drafter, kv_cache_memory_bytes, len(windows), states)
         # Windowed groups hold at most a window plus two steps (the one in flight and the
         # next) per request: a fixed pool.
         step_span = max(max_num_tokens, 2 * self.cycles_per_step * (1 + self.num_drafts))
@@ -490,19 +492,17 @@ class Engine:
 
     # ---- device state -------------------------------------------------------------------
 
-    def _pages_for_budget(self, target, drafter, budget: int | None, num_windowed_groups: int) -> int:
+    def _pages_for_budget(self, target, drafter, budget: int | None, num_windowed_groups: int, states: int) -> int:
         if budget is None:
             return 1 + self.max_num_reqs * self.pages_per_req
         layers = [(target, len(target.cfg.kv_layers))]
         if drafter is not None:  # windowed groups with pages of their own have their own pool
             in_pool = self._groups.layers[: len(self._groups.layers) - num_windowed_groups]
             layers.append((drafter, sum(map(len, in_pool))))
-        per_page = sum(
-            kv_cache_bytes(num_layers=n, num_pages=1, page_size=self.page_size,
-                           num_kv_heads=m.cfg.num_kv_heads, head_dim=m.cfg.head_dim, dtype=m.dtype)
-            for m, n in layers
-        )
-        return max(2, budget // per_page)
+        per_page = sum(kv_cache_bytes(num_layers=n, num_pages=1, page_size=self.page_size,
+                                      num_kv_heads=m.cfg.num_kv_heads, head_dim=m.cfg.head_dim, dtype=m.dtype)
+                       for m, n in layers)
+        return pages_within(budget, per_page, recurrent_state_bytes(target.cfg, states, target.dtype))
 
     def _param_leaves(self) -> tuple[list[jax.Array], ...]:
         """The models' current parameter arrays: each step reads values updated in place."""

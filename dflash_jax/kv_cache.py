@@ -91,6 +91,15 @@ def kv_cache_bytes(*, num_layers, num_pages, page_size, num_kv_heads, head_dim, 
     return 2 * num_layers * num_pages * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
+def pages_within(budget: int, page_bytes: int, state_bytes: int) -> int:
+    """KV pages (at least 2) a `kv_cache_memory_bytes` budget holds beside `state_bytes` of
+    per-request state (a hybrid target's recurrent states), which it must hold first."""
+    if state_bytes >= budget:
+        raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold the target's recurrent states "
+                         f"({state_bytes} bytes); raise it or lower max_num_reqs.")
+    return max(2, (budget - state_bytes) // page_bytes)
+
+
 def free_memory_bytes(mesh=None) -> int:
     """Bytes free for caches on the devices the models use (every device of `mesh`, else the
     default device), as the devices report them (limit less what is in use, after the models

@@ -58,6 +58,17 @@ class RecurrentState:
         return cls(zeros(history, PartitionSpec(None, None, MODEL)), zeros(delta, PartitionSpec(None, MODEL)))
 
 
+def recurrent_state_bytes(cfg: TargetConfig, num_slots: int, dtype) -> int:
+    """Bytes `RecurrentState.zeros(cfg, num_slots, dtype)` takes on one device (0 without
+    gated-delta-net layers)."""
+    la = cfg.linear_attention
+    if la is None:
+        return 0
+    history = (la.conv_kernel_size - 1) * la.conv_dim * jnp.dtype(dtype).itemsize
+    delta = la.num_value_heads * la.key_head_dim * la.value_head_dim * 4
+    return (history + delta) * num_slots * len(la.layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class RulePass:
     """One gated-delta-net layer's rule over a batch, as a commit needs it: the layer's inputs,

@@ -6,6 +6,8 @@ trip."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,20 @@ def test_vision_language_checkpoints_read_their_text_model():
     assert cfg.linear_attention.layers == (0, 1, 2) and cfg.architecture == "Qwen3_5ForConditionalGeneration"
     with pytest.raises(ConfigError, match="layer_types"):
         parse_config({**text, "architectures": ["Qwen3_5ForCausalLM"], "layer_types": ["mamba"] * 4})
+
+
+def test_a_memory_budget_holds_the_recurrent_states_before_pages():
+    from dflash_jax.kv_cache import pages_within
+    from dflash_jax.recurrent_state import RecurrentState, recurrent_state_bytes
+
+    cfg = parse_config({**SHAPES, "architectures": ["Qwen3_5ForCausalLM"],
+                        "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    for dtype in (jnp.float32, jnp.bfloat16):
+        state = RecurrentState.zeros(cfg, 3, dtype)
+        assert recurrent_state_bytes(cfg, 3, dtype) == sum(a.nbytes for a in jax.tree.leaves(state)) > 0
+    assert pages_within(10_000, 1_000, 2_500) == 7
+    with pytest.raises(ValueError, match="cannot hold the target's recurrent states"):
+        pages_within(2_500, 1_000, 2_500)
 
 
 @pytest.fixture(scope="module")
