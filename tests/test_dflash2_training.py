@@ -19,7 +19,7 @@ from dflash_jax.train.evaluate import speculative_greedy
 from dflash_jax.train.forward import block_drafts, block_logits
 from dflash_jax.train.init import with_dflash2
 from dflash_jax.train.loss import selector_loss_terms, slot_weights
-from dflash_jax.train.step import Hyperparams
+from dflash_jax.train.step import Hyperparams, drafter_params, make_optimizer
 from dflash_jax.train.trainer import train_drafter
 from test_train_forward import DRAFTER, tiny_pair
 from test_train_loop import dense_greedy, greedy_dataset
@@ -59,6 +59,23 @@ def test_grown_drafter_drafts_as_its_dflash1_drafter_until_trained():
                                   block_drafts(target, drafter, ids, features, anchors))
     with pytest.raises(ValueError, match="DFlash 2 drafter already"):
         with_dflash2(grown, DFlash2Config(**DFLASH2))
+
+
+def test_adamw_decays_matrices_but_not_the_selector_codebooks():
+    """One step of zero gradients: only decayed parameters move (by lr x decay x value)."""
+    import jax
+
+    _, drafter = tiny_dflash2_pair()
+    params = drafter_params(drafter)
+    hp = Hyperparams(learning_rate=0.1, weight_decay=0.5, warmup_ratio=0.0, total_steps=10)
+    optimizer = make_optimizer(hp)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(path): bool(jnp.any(u != 0))
+             for path, u in jax.tree_util.tree_leaves_with_path(updates)}
+    assert any("codebook" in name for name in moved) and not any(v for k, v in moved.items() if "codebook" in k)
+    assert any(v for k, v in moved.items() if "kernel" in k)  # the layers' matrices decay
+    assert not any(v for k, v in moved.items() if "norm" in k)
 
 
 def test_selector_loss_is_teacher_forced_cross_entropy_over_the_candidates():

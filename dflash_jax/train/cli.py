@@ -73,7 +73,8 @@ def add_parser(subparsers) -> None:
     train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine decay)")
     train.add_argument("--warmup-ratio", type=float, default=0.04,
                        help="share of the steps over which the learning rate rises to --lr")
-    train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    train.add_argument("--weight-decay", type=float, default=0.01,
+                       help="AdamW weight decay (of matrices; not norms, biases or DFlash 2 codebooks)")
     train.add_argument("--grad-clip", type=float, default=1.0, help="largest global gradient norm")
     train.add_argument("--gamma", type=float, help="loss decay (default 7 for B=16, 4 for B=8)")
     train.add_argument("--soft-labels", type=float, default=0.0, metavar="W",

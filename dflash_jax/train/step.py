@@ -70,9 +70,16 @@ def learning_rate_schedule(hp: Hyperparams) -> optax.Schedule:
     )
 
 
+def decays(path, x) -> bool:
+    """Whether AdamW decays a parameter: matrices do; norm weights and biases (1-D) do not, nor
+    a DFlash 2 selector's codebooks, tables whose rows only tokens that occur update (decay
+    would shrink every rare token's row at each step)."""
+    return x.ndim >= 2 and not any("codebook" in str(getattr(key, "key", key)) for key in path)
+
+
 def make_optimizer(hp: Hyperparams) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW; no weight decay on norm weights and biases (1-D)."""
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    """Clip by global norm, then AdamW, decaying what `decays` says."""
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
     return optax.chain(
         optax.clip_by_global_norm(hp.grad_clip),
         optax.adamw(learning_rate_schedule(hp), weight_decay=hp.weight_decay, mask=decay_mask),
