@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SLICES = 1024  # the fastest of 256 / 1024 / 4096 at 16 and 256 rows of 49k-152k (bench.kernels.top_k)
+SLICES = 1024  # chosen by measurement: bench.kernels.top_k, bench/results/*-top-k-*
 
 
 def chunk_max_top_k(x_NV, k: int, chunks: int):
