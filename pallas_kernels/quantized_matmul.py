@@ -95,12 +95,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
     def step(j, acc):
         k0 = (split * steps + j) * bk
         x = x_ref[rows, pl.ds(k0, bk)]
-        if transposed:
-            w = w_ref[cols, pl.ds(k0, bk)].astype(x.dtype)
-            product = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        else:
-            w = w_ref[pl.ds(k0, bk), cols].astype(x.dtype)
-            product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        w = (w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols]).astype(x.dtype)
+        contract = (((1,), (1 if transposed else 0,)), ((), ()))
+        product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
         if block_in is not None:
             product = product * s_ref[pl.ds(k0 // block_in, 1), cols]
         return acc + product
@@ -127,9 +124,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     N = values_IO.shape[0 if transposed else 1]
     tiling = tiling or default_tiling(K, N, block_in)
     if tiling is None:
-        if transposed:
-            return quantized_matmul_reference(x_TI, values_IO.T, scales, block_in)
-        return quantized_matmul_reference(x_TI, values_IO, scales, block_in)
+        return quantized_matmul_reference(x_TI, values_IO.T if transposed else values_IO, scales, block_in)
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):

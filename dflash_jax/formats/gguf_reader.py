@@ -189,41 +189,30 @@ def _gpt_oss_experts(num_layers: int, shapes: dict, dequantized) -> dict[str, tu
     the file's gate, up and down stacks ([E, I, D], [E, I, D], [E, D, I]; llama.cpp may fuse gate
     and up into `ffn_gate_up_exps` [E, 2I, D], gate rows first) and their biases. HF interleaves
     gate and up columns (`gate_up_proj` [E, D, 2I]) and stores down as [E, I, D]."""
+
+    def interleaved(blk: str, suffix: str) -> np.ndarray:  # gate and up rows alternating: [E, 2I, ...]
+        if f"{blk}.ffn_gate_up_exps.weight" in shapes:
+            gate, up = np.split(dequantized(f"{blk}.ffn_gate_up_exps.{suffix}"), 2, axis=1)
+        else:
+            gate, up = dequantized(f"{blk}.ffn_gate_exps.{suffix}"), dequantized(f"{blk}.ffn_up_exps.{suffix}")
+        return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
+
+    loaders = {
+        "gate_up_proj": lambda blk: interleaved(blk, "weight").transpose(0, 2, 1),
+        "gate_up_proj_bias": lambda blk: interleaved(blk, "bias"),
+        "down_proj": lambda blk: dequantized(f"{blk}.ffn_down_exps.weight").transpose(0, 2, 1),
+        "down_proj_bias": lambda blk: dequantized(f"{blk}.ffn_down_exps.bias"),
+    }
     out = {}
     for i in range(num_layers):
         blk = f"blk.{i}"
-        fused = f"{blk}.ffn_gate_up_exps.weight" in shapes
-
-        def gate_and_up(suffix: str, blk=blk, fused=fused):
-            if fused:
-                both = dequantized(f"{blk}.ffn_gate_up_exps.{suffix}")
-                return np.split(both, 2, axis=1 if suffix == "weight" else -1)
-            return dequantized(f"{blk}.ffn_gate_exps.{suffix}"), dequantized(f"{blk}.ffn_up_exps.{suffix}")
-
-        def gate_up_proj(gate_up=gate_and_up):
-            gate, up = gate_up("weight")  # [E, I, D] each
-            return np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=-1).reshape(*gate.shape[::2], -1)
-
-        def gate_up_bias(gate_up=gate_and_up):
-            gate, up = gate_up("bias")  # [E, I] each
-            return np.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
-
-        def down_proj(blk=blk):
-            return dequantized(f"{blk}.ffn_down_exps.weight").transpose(0, 2, 1)
-
-        def down_bias(blk=blk):
-            return dequantized(f"{blk}.ffn_down_exps.bias")
-
-        down = shapes.get(f"{blk}.ffn_down_exps.weight")
-        if down is None:
+        if f"{blk}.ffn_down_exps.weight" not in shapes:
             raise ConversionError(f"the gpt-oss file has no {blk}.ffn_down_exps.weight; the file is incomplete.")
-        experts, hidden, inter = down
-        out.update({
-            f"{blk}.experts.gate_up_proj": ((experts, hidden, 2 * inter), gate_up_proj),
-            f"{blk}.experts.gate_up_proj_bias": ((experts, 2 * inter), gate_up_bias),
-            f"{blk}.experts.down_proj": ((experts, inter, hidden), down_proj),
-            f"{blk}.experts.down_proj_bias": ((experts, hidden), down_bias),
-        })
+        experts, hidden, inter = shapes[f"{blk}.ffn_down_exps.weight"]
+        hf_shapes = {"gate_up_proj": (experts, hidden, 2 * inter), "gate_up_proj_bias": (experts, 2 * inter),
+                     "down_proj": (experts, inter, hidden), "down_proj_bias": (experts, hidden)}
+        out.update({f"{blk}.experts.{name}": (shape, functools.partial(loaders[name], blk))
+                    for name, shape in hf_shapes.items()})
     return out
 
 

@@ -74,7 +74,7 @@ def decays(path, x) -> bool:
     """Whether AdamW decays a parameter: matrices do; norm weights and biases (1-D) do not, nor
     a DFlash 2 selector's codebooks, tables whose rows only tokens that occur update (decay
     would shrink every rare token's row at each step)."""
-    return x.ndim >= 2 and not any("codebook" in str(getattr(key, "key", key)) for key in path)
+    return x.ndim >= 2 and "codebook" not in jax.tree_util.keystr(path)
 
 
 def make_optimizer(hp: Hyperparams) -> optax.GradientTransformation:
