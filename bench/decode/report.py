@@ -166,6 +166,13 @@ def report(record: dict) -> str:
                              f"| {fmt(per.get('memcpy'), 1)} | {fmt(per.get('memcpy_dtoh'), 1)} |")
             if profile.get("error"):
                 lines.append(f"\nProfile error ({profile.get('attention_impl')}): {profile['error']}")
+        for profile in profiles:
+            for loop in ("ar", "dflash"):
+                ops = (profile.get(loop) or {}).get("ops_per_iteration") or []
+                if ops:
+                    lines += ["", f"Busiest ops per {loop} iteration ({profile.get('point')}, "
+                              f"{profile.get('attention_impl')}): calls, us", ""]
+                    lines += [f"- {op}: {fmt(calls, 1)}, {fmt(us, 1)}" for op, calls, us in ops[:15]]
     if (run.get("model", "qwen3-8b") == "qwen3-8b" and run.get("dtype", "bfloat16") == "bfloat16"
             and run.get("tensor_parallel", 1) == 1):  # issue 6's setting
         lines += ["", "## Issue 6 targets", "", "| target | measured | met |", "|---|---|---|"]
