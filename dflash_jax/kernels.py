@@ -121,15 +121,16 @@ class Kernels:
         """`delta_rule_reference`'s signature: the gated delta rule over ragged rows."""
         return delta_rule_pallas if self._chosen("recurrence") == "pallas" else delta_rule_reference
 
-    def paged_attention(self, q_req_T, *, num_rows: int, group: int, dtype):
+    def paged_attention(self, q_req_T, *, num_rows: int, num_kv_heads: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes
         it, for the queries of one step. For the Pallas kernel the query blocks, which depend
         only on the step's `q_req_T`, are cut here once and shared by every layer of the step.
-        `num_rows`: block-table rows; `group`: query heads per kv head; `dtype`: the queries'."""
+        `num_rows`: block-table rows; `num_kv_heads`: the kv heads of one call (a shard's);
+        `group`: query heads per kv head; `dtype`: the queries'."""
         if self._chosen("attention") == "reference":
             return paged_attention_reference
         block_q = default_block_q(q_req_T.shape[0], num_rows, group, f32=jnp.dtype(dtype) == jnp.float32)
-        kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q)
+        kv_splits = default_kv_splits(q_req_T.shape[0], num_rows, block_q, num_kv_heads)
         return functools.partial(paged_attention_pallas, block_q=block_q, blocks=query_blocks(q_req_T, block_q),
                                  kv_splits=kv_splits)
 

@@ -100,8 +100,8 @@ def attend_paged(mesh, cache: PagedKVCache, layer: int, heads: ProjectedHeads, k
         slots_T, cos_TZ, sin_TZ, q_weight_H, k_weight_H, positions_T, q_rows_T, page_table, seq_lens_R = shared
         q_TUH, k_XKH, v_XKH = kernels.finish_heads(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T,
                                                    k_XKH, v_XKH, num_heads=num_heads)
-        paged_attention = kernels.paged_attention(q_rows_T, num_rows=page_table.shape[0], group=group,
-                                                  dtype=q_TUH.dtype)
+        paged_attention = kernels.paged_attention(q_rows_T, num_rows=page_table.shape[0], num_kv_heads=k_XKH.shape[1],
+                                                  group=group, dtype=q_TUH.dtype)
         out_TUH = paged_attention(q_TUH, positions_T, q_rows_T, k_XKH, v_XKH, page_table, seq_lens_R,
                                   page_size=cache.page_size, rule=rule,
                                   sinks_U=sinks_1U1[0].reshape(-1) if sinks_1U1 else None)

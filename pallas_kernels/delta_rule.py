@@ -8,9 +8,12 @@ one value head and `block_v` value columns, keeps that slice of S in registers a
 row's tokens in order: the state is read once and written once per call, whatever the
 tokens, which is what decode and verify steps (a few tokens per row) need. Rows are
 `[start, end)` token ranges; tokens in no range are not touched and their outputs are zero.
+The walk goes in runs of `unroll` tokens whose inputs are loaded before the first update
+(a token's inputs do not depend on the state, so their loads overlap instead of each
+waiting on memory in turn), then the row's last tokens one at a time.
 
 Every token of a row goes through the same operations in the same order whatever else is
-in the call, so a verify block computes exactly what single steps compute.
+in the call and wherever it falls in a run, so a verify block computes exactly what single steps compute.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import is_pow2, runs_interpreted
 
 BLOCK_V = 32  # value columns per program: a [key dim, 32] float32 slice of S fits a program's registers
+UNROLL = 8  # tokens a program loads at once: a verify row's loads wait on memory once a run, not once a token
 
 
 def _token_rows(starts_R, ends_R, num_tokens: int):
@@ -59,27 +63,38 @@ def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, out_ref, state_ref, *,
-            repeat: int, block_v: int, write_out: bool):
+            repeat: int, block_v: int, unroll: int, write_out: bool):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_head = head // repeat
     cols = pl.ds(col_block * block_v, block_v)
 
-    def step(t, state_KV):
-        k_K = k_ref[t, key_head, :]
-        state_KV = state_KV * jnp.exp(g_ref[t, head])
+    def token(t):
+        return k_ref[t, key_head, :], q_ref[t, key_head, :], v_ref[t, head, cols], g_ref[t, head], beta_ref[t, head]
+
+    def advance(t, state_KV, inputs):
+        k_K, q_K, v_V, g, beta = inputs
+        state_KV = state_KV * jnp.exp(g)
         remembered_V = jnp.sum(state_KV * k_K[:, None], axis=0)
-        update_V = (v_ref[t, head, cols] - remembered_V) * beta_ref[t, head]
-        state_KV = state_KV + k_K[:, None] * update_V[None, :]
+        state_KV = state_KV + k_K[:, None] * ((v_V - remembered_V) * beta)[None, :]
         if write_out:
-            out_ref[t, head, cols] = jnp.sum(state_KV * q_ref[t, key_head, :][:, None], axis=0)
+            out_ref[t, head, cols] = jnp.sum(state_KV * q_K[:, None], axis=0)
         return state_KV
 
-    state_ref[row, head, :, cols] = lax.fori_loop(starts_ref[row], ends_ref[row], step,
-                                                  state_in_ref[row, head, :, cols])
+    def run(first, state_KV):
+        tokens = [token(first + i) for i in range(unroll)]  # loads issued before the chain of updates
+        for i, inputs in enumerate(tokens):
+            state_KV = advance(first + i, state_KV, inputs)
+        return state_KV
+
+    start, end = starts_ref[row], ends_ref[row]
+    runs = (end - start) // unroll
+    state_KV = lax.fori_loop(0, runs, lambda i, s: run(start + i * unroll, s), state_in_ref[row, head, :, cols])
+    state_ref[row, head, :, cols] = lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)),
+                                                  state_KV)
 
 
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
-                      block_v: int = BLOCK_V, num_warps: int = 4, interpret: bool | None = None):
+                      block_v: int = BLOCK_V, unroll: int = UNROLL, num_warps: int = 4, interpret: bool | None = None):
     """`delta_rule_reference` (same arguments and result) as one kernel, which with
     `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in
     interpret mode elsewhere."""
@@ -91,7 +106,7 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
                          f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
     interpret = runs_interpreted(interpret)
     out, state = pl.pallas_call(
-        functools.partial(_kernel, repeat=H // Hk, block_v=block_v, write_out=outputs),
+        functools.partial(_kernel, repeat=H // Hk, block_v=block_v, unroll=unroll, write_out=outputs),
         out_shape=(jax.ShapeDtypeStruct((T, H, V), jnp.float32), jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
         grid=(R, H, V // block_v),
         interpret=interpret,

@@ -124,16 +124,18 @@ def max_query_blocks(num_tokens: int, num_rows: int, block_q: int) -> int:
     return min(num_tokens, -(-num_tokens // block_q) + num_rows)
 
 
-def default_kv_splits(num_tokens: int, num_rows: int, block_q: int) -> int:
+def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads: int = 8) -> int:
     """Key splits for a step of `num_tokens` queries over `num_rows` requests: enough that
-    the query blocks x splits reach ~32 per kv head (~256 programs at 8 kv heads, about two
-    per H200 SM), at most 16; 1 once the blocks fill the GPU alone (prefill, big batches).
+    query blocks x splits reach ~256 programs over the kv heads (~32 per kv head at 8 kv
+    heads, 64 at 4: about two per H200 SM), at most 128 / kv heads splits (one query block's
+    programs about one per SM); 1 once the blocks fill the GPU alone (prefill, big batches).
 
     Each program walks its chunks one dependent load after another (page id, then K/V), so
     a few programs over long rows are latency-bound: a batch-1 decode step over long context
     unsplit leaves most of the GPU idle (bench/results). Splits past a row's real length exit
     at once."""
-    return max(1, min(16, 32 // next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
+    per_head, most = 256 // num_kv_heads, max(1, 128 // num_kv_heads)
+    return max(1, min(most, per_head // next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
 
 
 def default_block_k(block_rows: int) -> int:

@@ -58,17 +58,24 @@ def test_reference_matches_transformers_recurrent_form():
     np.testing.assert_allclose(last, final.numpy(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["pallas", "reference"])
-def test_a_block_equals_its_tokens_one_at_a_time(kernel):
-    rule = (lambda *a: delta_rule_pallas(*a, interpret=True)) if kernel == "pallas" else delta_rule_reference
-    rng = np.random.default_rng(5)
-    q, k, v, g, beta, state = random_inputs(rng, T=6, R=1)
-    block_out, block_state = rule(q, k, v, g, beta, state, jnp.array([0]), jnp.array([6]))
-    for t in range(6):
+def assert_block_equals_its_tokens(rule, inputs):
+    q, k, v, g, beta, state = inputs
+    T = q.shape[0]
+    block_out, block_state = rule(q, k, v, g, beta, state, jnp.array([0]), jnp.array([T]))
+    for t in range(T):
         one = [x[t:t + 1] for x in (q, k, v, g, beta)]
         out, state = rule(*one, state, jnp.array([0]), jnp.array([1]))
         np.testing.assert_array_equal(out[0], block_out[t])
     np.testing.assert_array_equal(state, block_state)
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "pallas-unroll-4", "reference"])
+def test_a_block_equals_its_tokens_one_at_a_time(kernel):
+    """6 tokens: with runs of 4, tokens 0-3 come in a run and 4-5 one at a time."""
+    rule = {"pallas": lambda *a: delta_rule_pallas(*a, interpret=True),
+            "pallas-unroll-4": lambda *a: delta_rule_pallas(*a, unroll=4, interpret=True),
+            "reference": delta_rule_reference}[kernel]
+    assert_block_equals_its_tokens(rule, random_inputs(np.random.default_rng(5), T=6, R=1))
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused():
@@ -92,3 +99,12 @@ def test_gpu_compiled_kernel_matches_reference(block_v):
     got_out, got_state = delta_rule_pallas(*inputs, starts, ends, block_v=block_v, interpret=False)
     np.testing.assert_allclose(got_out, want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(got_state, want_state, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_gpu_verify_block_equals_its_tokens_one_at_a_time():
+    """A 17-token verify row (two runs of 8 and one token alone) against 17 one-token calls,
+    bit for bit, at Qwen3.5-9B's heads."""
+    inputs = random_inputs(np.random.default_rng(2), T=17, R=1, Hk=16, Hv=32, dk=128, dv=128)
+    assert_block_equals_its_tokens(jax.jit(lambda *a: delta_rule_pallas(*a, interpret=False)), inputs)

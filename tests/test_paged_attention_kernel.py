@@ -248,17 +248,21 @@ def test_prefill_chunk_with_verify_rows_and_padding(dtype):
     np.testing.assert_allclose(got, oracle(batch, cfg), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("num_tokens, num_rows, want", [
-    (1, 1, 16),      # batch-1 decode: 8 programs alone would each walk every chunk
-    (16, 1, 16),     # batch-1 verify block
-    (8, 8, 4),       # batch-8 decode
-    (128, 8, 2),     # batch-8 verify
-    (32, 32, 1),     # batch-32 decode fills the GPU without splits
-    (2048, 1, 1),    # a prefill chunk
+@pytest.mark.parametrize("num_tokens, num_rows, kv_heads, want", [
+    (1, 1, 8, 16),      # batch-1 decode: 8 programs alone would each walk every chunk
+    (16, 1, 8, 16),     # batch-1 verify block
+    (8, 8, 8, 4),       # batch-8 decode
+    (128, 8, 8, 2),     # batch-8 verify
+    (32, 32, 8, 1),     # batch-32 decode fills the GPU without splits
+    (2048, 1, 8, 1),    # a prefill chunk
+    (1, 1, 4, 32),      # Qwen3.5-9B's 4 kv heads: twice the splits for as many programs
+    (16, 1, 4, 32),
+    (8, 8, 4, 8),
+    (1, 1, 2, 64),
 ])
-def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, want):
+def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, kv_heads, want):
     block_q = default_block_q(num_tokens, num_rows, group=4)
-    assert default_kv_splits(num_tokens, num_rows, block_q) == want
+    assert default_kv_splits(num_tokens, num_rows, block_q, kv_heads) == want
 
 
 @pytest.mark.parametrize("num_tokens, num_rows, group, want_bf16, want_f32", [

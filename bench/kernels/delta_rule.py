@@ -5,6 +5,7 @@ and prefill (one row of many tokens) shapes.
     python -m bench.kernels.delta_rule --out $OUT/delta_rule.json
     python -m bench.kernels.delta_rule --small --out /tmp/dr.json   # CPU smoke test (interpret mode)
 
+`--unrolls 1,16` adds the kernel with other run lengths (tokens whose inputs load together).
 Reports us per call and, for the kernel, the state's bytes read and written over the time
 (each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
 """
@@ -33,6 +34,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default="1x1,1x16,32x1,32x16,1x1024,1x8192",
                         help="rows x tokens per row, comma separated")
     parser.add_argument("--reference-limit", type=int, default=1024, help="the reference's most tokens per call")
+    parser.add_argument("--unrolls", default="",
+                        help="also time the kernel with these tokens per run (comma separated), as pallas_u<n>")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
@@ -43,6 +46,8 @@ def main(argv=None):
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
     variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference}
+    for unroll in filter(None, args.unrolls.split(",")):
+        variants[f"pallas_u{unroll}"] = functools.partial(delta_rule_pallas, unroll=int(unroll), interpret=interpret)
     key = jax.random.key(0)
     results = []
     for rows, per_row in shapes:

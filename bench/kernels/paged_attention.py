@@ -1,6 +1,7 @@
 """Paged attention on the GPU: the jnp reference against the Pallas kernel at Qwen3-8B
-attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16, pages of 16, causal),
-batch 1 / 8 / 32 x context 1k / 8k x 1 or 16 query rows per request.
+attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16, pages of 16, causal; or
+another model's heads with --model), batch 1 / 8 / 32 (--batches) x context 1k / 8k (--contexts) x 1 or
+16 query rows per request.
 
     python -m bench.kernels.paged_attention --out $OUT/paged_attention.json
     python -m bench.kernels.paged_attention --small --out /tmp/pa.json     # CPU smoke test
@@ -32,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from bench import harness
-from bench.shapes import QWEN3_8B, SMALL
+from bench.shapes import MODELS, SMALL
 from dflash_jax.config import LayerAttention
 from pallas_kernels.common import TRITON_DEPRECATION
 from pallas_kernels.paged_attention import (
@@ -51,10 +52,10 @@ COPY_BYTES_PER_S = 4.24e12   # H200 device copy, read + write counted (ENVIRONME
 CAUSAL = LayerAttention(True)
 
 
-def shapes(small):
+def shapes(small, model="qwen3-8b"):
     """(num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query rows)."""
-    model = SMALL if small else QWEN3_8B
-    heads = (model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"], 16)
+    target = SMALL if small else MODELS[model].target
+    heads = (target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"], 16)
     if small:
         return *heads, (1, 2), (64, 128), (1, 4)
     return *heads, (1, 8, 32), (1024, 8192), (1, 16)
@@ -167,6 +168,10 @@ def main(argv=None):
                         help="K/V cache copies cycled through add up to at least this")
     parser.add_argument("--kv-splits", default="auto",
                         help="'auto' (the runtime's default_kv_splits), or a power of two for pallas_split")
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS),
+                        help="whose attention heads (the sweep keeps Qwen3-8B's)")
+    parser.add_argument("--contexts", default=None, help="contexts to time, comma separated (default 1024,8192)")
+    parser.add_argument("--batches", default=None, help="batches to time, comma separated (default 1,8,32)")
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings at the points that dominate a cycle (GPU only)")
     args = parser.parse_args(argv)
@@ -176,7 +181,9 @@ def main(argv=None):
     min_cache_bytes = int((args.min_cache_mb or (0 if small else 256)) * 2**20)
     record = harness.Record(__spec__.name, args, argv, packages=("triton",))
     print(json.dumps(record.env), flush=True)
-    num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small)
+    num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small, args.model)
+    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else contexts
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else batches
     rng = np.random.default_rng(0)
     if args.sweep:
         rows = sweep(rng, reps, chain, min_cache_bytes)
@@ -201,7 +208,7 @@ def main(argv=None):
                 elif small:
                     splits = 2  # the smoke test runs the split path too
                 else:
-                    splits = default_kv_splits(batch * rows, batch, block_q)
+                    splits = default_kv_splits(batch * rows, batch, block_q, num_kv_heads)
                 impls = {"reference": attention_fn("reference", page_size),
                          "pallas": attention_fn("pallas", page_size)}
                 if splits > 1:
