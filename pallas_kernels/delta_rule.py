@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import is_pow2, runs_interpreted
 
 BLOCK_V = 32  # value columns per program: a [key dim, 32] float32 slice of S fits a program's registers
-UNROLL = 8  # tokens a program loads at once: a verify row's loads wait on memory once a run, not once a token
+UNROLL = 4  # tokens a program loads at once: a verify row's loads wait on memory once a run, not once a token
 
 
 def _token_rows(starts_R, ends_R, num_tokens: int):
@@ -39,12 +39,14 @@ def _token_rows(starts_R, ends_R, num_tokens: int):
     return jnp.argmax(in_TR, axis=1), jnp.any(in_TR, axis=1)
 
 
-def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True):
+def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
+                         states: bool = True):
     """(out [T, value heads, value dim] float32, state [R, value heads, key dim, value dim]):
     each row's tokens `[starts_R[r], ends_R[r])` run through the rule from `state_RHKV[r]`.
     q and k (float32, prepared: L2-normed, q scaled) have key heads, each shared by value
     heads / key heads consecutive value heads; g and beta are per value head. With
-    `outputs=False` the outputs are zeros (a caller that wants the states alone)."""
+    `outputs=False` the outputs are zeros (a caller that wants the states alone); with
+    `states=False` the state returned is `state_RHKV` (a caller that wants the outputs alone)."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
     q_THK, k_THK = (jnp.repeat(x, repeat, axis=1) for x in (q_THK, k_THK))
     row_T, in_row_T = _token_rows(starts_R, ends_R, q_THK.shape[0])
@@ -58,11 +60,11 @@ def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_
         return state_RHKV.at[row].set(jnp.where(in_row, state_HKV, state_RHKV[row])), out_HV
 
     tokens = (q_THK, k_THK, v_THV, g_TH, beta_TH, row_T, in_row_T)
-    state_RHKV, out_THV = lax.scan(step, state_RHKV, tokens)
-    return (out_THV if outputs else jnp.zeros_like(out_THV)), state_RHKV
+    after_RHKV, out_THV = lax.scan(step, state_RHKV, tokens)
+    return (out_THV if outputs else jnp.zeros_like(out_THV)), (after_RHKV if states else state_RHKV)
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, out_ref, state_ref, *,
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, out_ref, *state_ref,
             repeat: int, block_v: int, unroll: int, write_out: bool):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_head = head // repeat
@@ -89,15 +91,18 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends
     start, end = starts_ref[row], ends_ref[row]
     runs = (end - start) // unroll
     state_KV = lax.fori_loop(0, runs, lambda i, s: run(start + i * unroll, s), state_in_ref[row, head, :, cols])
-    state_ref[row, head, :, cols] = lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)),
-                                                  state_KV)
+    state_KV = lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)), state_KV)
+    if state_ref:
+        state_ref[0][row, head, :, cols] = state_KV
 
 
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
-                      block_v: int = BLOCK_V, unroll: int = UNROLL, num_warps: int = 4, interpret: bool | None = None):
+                      states: bool = True, block_v: int = BLOCK_V, unroll: int = UNROLL, num_warps: int = 4,
+                      interpret: bool | None = None):
     """`delta_rule_reference` (same arguments and result) as one kernel, which with
-    `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in
-    interpret mode elsewhere."""
+    `outputs=False` writes no outputs, and with `states=False` no states (nor a copy of
+    `state_RHKV`, which it then does not overwrite). interpret: None runs compiled on a GPU
+    backend and in interpret mode elsewhere."""
     T, Hk, K = q_THK.shape
     R, H, _, V = state_RHKV.shape
     block_v = min(block_v, V)
@@ -105,15 +110,19 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
         raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({K}) and value columns in "
                          f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
     interpret = runs_interpreted(interpret)
-    out, state = pl.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((T, H, V), jnp.float32),)
+    if states:
+        out_shape += (jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32),)
+    out, *state = pl.pallas_call(
         functools.partial(_kernel, repeat=H // Hk, block_v=block_v, unroll=unroll, write_out=outputs),
-        out_shape=(jax.ShapeDtypeStruct((T, H, V), jnp.float32), jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
+        out_shape=out_shape,
         grid=(R, H, V // block_v),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        input_output_aliases={5: 1},
+        input_output_aliases={5: 1} if states else {},
         name="gated_delta_rule",
     )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32))
+    state = state[0] if states else state_RHKV
     if not outputs:
         return jnp.zeros_like(out), state
     _, in_row_T = _token_rows(starts_R, ends_R, T)

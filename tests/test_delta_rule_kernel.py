@@ -41,6 +41,9 @@ def test_kernel_computes_its_reference(rows, block_v):
     np.testing.assert_array_equal(np.asarray(got_state)[untouched], np.asarray(inputs[5])[untouched])
     _, states_only = delta_rule_pallas(*inputs, starts, ends, outputs=False, interpret=True)
     np.testing.assert_array_equal(states_only, got_state)
+    outputs_only, state_kept = delta_rule_pallas(*inputs, starts, ends, states=False, interpret=True)
+    np.testing.assert_array_equal(outputs_only, got_out)
+    np.testing.assert_array_equal(state_kept, inputs[5])
 
 
 def test_reference_matches_transformers_recurrent_form():
@@ -104,7 +107,7 @@ def test_gpu_compiled_kernel_matches_reference(block_v):
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_gpu_verify_block_equals_its_tokens_one_at_a_time():
-    """A 17-token verify row (two runs of 8 and one token alone) against 17 one-token calls,
-    bit for bit, at Qwen3.5-9B's heads."""
+    """A 17-token verify row (runs of tokens, then the last alone) against 17 one-token
+    calls, bit for bit, at Qwen3.5-9B's heads."""
     inputs = random_inputs(np.random.default_rng(2), T=17, R=1, Hk=16, Hv=32, dk=128, dv=128)
     assert_block_equals_its_tokens(jax.jit(lambda *a: delta_rule_pallas(*a, interpret=False)), inputs)
