@@ -30,6 +30,7 @@ from pallas_kernels.common import is_pow2, runs_interpreted
 
 BLOCK_V = 32  # value columns per program: a [key dim, 32] float32 slice of S fits a program's registers
 UNROLL = 4  # tokens a program loads at once: a verify row's loads wait on memory once a run, not once a token
+UNROLL_MAX_PROGRAMS = 512  # past ~4 programs an SM, others hide a program's waits, and runs only add registers
 
 
 def _token_rows(starts_R, ends_R, num_tokens: int):
@@ -97,12 +98,13 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends
 
 
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
-                      states: bool = True, block_v: int = BLOCK_V, unroll: int = UNROLL, num_warps: int = 4,
+                      states: bool = True, block_v: int = BLOCK_V, unroll: int | None = None, num_warps: int = 4,
                       interpret: bool | None = None):
     """`delta_rule_reference` (same arguments and result) as one kernel, which with
     `outputs=False` writes no outputs, and with `states=False` no states (nor a copy of
     `state_RHKV`, which it then does not overwrite). interpret: None runs compiled on a GPU
-    backend and in interpret mode elsewhere."""
+    backend and in interpret mode elsewhere. unroll: tokens per run (None: `UNROLL` where the
+    call has at most `UNROLL_MAX_PROGRAMS` programs, else 1)."""
     T, Hk, K = q_THK.shape
     R, H, _, V = state_RHKV.shape
     block_v = min(block_v, V)
@@ -110,6 +112,8 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
         raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({K}) and value columns in "
                          f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
     interpret = runs_interpreted(interpret)
+    if unroll is None:
+        unroll = UNROLL if R * H * (V // block_v) <= UNROLL_MAX_PROGRAMS else 1
     out_shape = (jax.ShapeDtypeStruct((T, H, V), jnp.float32),)
     if states:
         out_shape += (jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32),)
