@@ -6,7 +6,8 @@ and prefill (one row of many tokens) shapes.
     python -m bench.kernels.delta_rule --small --out /tmp/dr.json   # CPU smoke test (interpret mode)
 
 `--unrolls 1,16` adds the kernel with other run lengths (tokens whose inputs load together).
-Reports us per call and, for the kernel, the state's bytes read and written over the time
+Each sample times a jitted chain of --chain calls, each starting from the state the one before
+left, so one dispatch serves them all. Reports us per call and, for the kernel, the state's bytes read and written over the time
 (each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
 """
 
@@ -37,6 +38,9 @@ def main(argv=None):
     parser.add_argument("--unrolls", default="",
                         help="also time the kernel with these tokens per run (comma separated), as pallas_u<n>")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--chain", type=int, default=10,
+                        help="calls per timed sample, each from the state the last one left (one call's dispatch "
+                             "would hide a decode-shaped kernel)")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
     la = parse_config(MODELS["small-qwen3_5" if args.small else "qwen3_5-9b"].target).linear_attention
@@ -63,8 +67,16 @@ def main(argv=None):
         for name, rule in variants.items():
             if name == "reference" and T > args.reference_limit:
                 continue
-            call = jax.jit(lambda *a, rule=rule: rule(*a, starts, starts + per_row))
-            timing = harness.time_calls(lambda: call(q, k, v, g, beta, state), reps=args.reps)
+            def chained(q, k, v, g, beta, state, rule=rule):  # each call starts from the last one's state
+                outs = []
+                for _ in range(args.chain):
+                    out, state = rule(q, k, v, g, beta, state, starts, starts + per_row)
+                    outs.append(out)
+                return sum(outs), state
+
+            call = jax.jit(chained)
+            timing = harness.time_calls(lambda: call(q, k, v, g, beta, state), reps=args.reps,
+                                        calls_per_sample=args.chain)
             seconds = timing.median_s
             results.append(dict(rows=rows, tokens_per_row=per_row, variant=name, us=seconds * 1e6,
                                 state_TBps=2 * state.nbytes / seconds / 1e12))

@@ -120,23 +120,33 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
 SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
 SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
     dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
+# Batch-1 long-context settings (--contexts): key chunk x splits x warps, for heads whose
+# tiles crowd a program's registers (head_dim 256).
+LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w)
+                            for k in (32, 64, 128) for s in (8, 32) for w in (4, 8))
 
 
-def sweep(rng, reps, chain, min_cache_bytes):
+def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None):
     """Kernel settings (block_k x kv_splits x num_stages) at the decode / verify points that
-    dominate a cycle. The query blocks are cut once per chain, as the runtime cuts them once
-    per step, so each call times the kernel (and the split epilogue) alone."""
-    num_heads, num_kv_heads, head_dim, page_size = shapes(False)[:4]
+    dominate a cycle, with `model`'s heads; with `contexts`, the batch-1 decode and verify
+    points at those contexts over `LONG_SWEEP_SETTINGS` instead. The query blocks are cut once
+    per chain, as the runtime cuts them once per step, so each call times the kernel (and the
+    split epilogue) alone."""
+    num_heads, num_kv_heads, head_dim, page_size = shapes(False, model)[:4]
     group_pad = 1 << math.ceil(math.log2(num_heads // num_kv_heads))
+    points, settings_list = SWEEP_POINTS, SWEEP_SETTINGS
+    if contexts:
+        points = tuple((1, context, rows) for context in contexts for rows in (1, 16))
+        settings_list = LONG_SWEEP_SETTINGS
     rows_out = []
-    for batch, context, rows in SWEEP_POINTS:
+    for batch, context, rows in points:
         point = make_point(rng, batch, context, rows, num_heads, num_kv_heads, head_dim, page_size,
                            min_cache_bytes)
         block_q = max(default_block_q(batch * rows, batch, num_heads // num_kv_heads), 16 // group_pad)
         k0, v0 = point["caches"][0]
         inputs = (point["q"], point["q_pos"], point["q_req"], k0, v0, point["table"], point["seq_lens"])
         want = np.asarray(jax.jit(attention_fn("reference", page_size))(*inputs).astype(jnp.float32))
-        for settings in SWEEP_SETTINGS:
+        for settings in settings_list:
             def fn(q, pos, req, k, v, table, lens, blocks=None):
                 return paged_attention_pallas(q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL,
                                               block_q=block_q, blocks=blocks, **settings)
@@ -168,9 +178,9 @@ def main(argv=None):
                         help="K/V cache copies cycled through add up to at least this")
     parser.add_argument("--kv-splits", default="auto",
                         help="'auto' (the runtime's default_kv_splits), or a power of two for pallas_split")
-    parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS),
-                        help="whose attention heads (the sweep keeps Qwen3-8B's)")
-    parser.add_argument("--contexts", default=None, help="contexts to time, comma separated (default 1024,8192)")
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS), help="whose attention heads")
+    parser.add_argument("--contexts", default=None, help="contexts to time, comma separated (default 1024,8192); "
+                        "with --sweep, batch-1 long-context settings at these contexts")
     parser.add_argument("--batches", default=None, help="batches to time, comma separated (default 1,8,32)")
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings at the points that dominate a cycle (GPU only)")
@@ -186,10 +196,12 @@ def main(argv=None):
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else batches
     rng = np.random.default_rng(0)
     if args.sweep:
-        rows = sweep(rng, reps, chain, min_cache_bytes)
-        record.write(dict(reps=reps, chain=chain, sweep=rows))
+        rows = sweep(rng, reps, chain, min_cache_bytes, args.model,
+                     tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None)
+        record.write(dict(reps=reps, chain=chain, model=args.model, sweep=rows))
         for r in rows:
-            settings = f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']}"
+            settings = (f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
+                        f"warps={r.get('num_warps', 'auto')}")
             timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
             print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<32} {timing}")
         return 0
