@@ -5,7 +5,8 @@ and prefill (one row of many tokens) shapes.
     python -m bench.kernels.delta_rule --out $OUT/delta_rule.json
     python -m bench.kernels.delta_rule --small --out /tmp/dr.json   # CPU smoke test (interpret mode)
 
-`--unrolls 1,16` adds the kernel with other run lengths (tokens whose inputs load together).
+`--variants u1,u4v8w1` adds the kernel with other settings: tokens per run (whose inputs load
+together), value columns per program (more programs, less state each) and warps.
 Each sample times a jitted chain of --chain calls, each starting from the state the one before
 left, so one dispatch serves them all. Reports us per call and, for the kernel, the state's bytes read and written over the time
 (each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
@@ -15,9 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from bench import harness
 from bench.shapes import MODELS
+
+
+def kernel_settings(variant: str) -> dict:
+    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1"."""
+    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?", variant)
+    if not match or not variant:
+        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>.")
+    names = ("unroll", "block_v", "num_warps")
+    return {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
 
 
 def main(argv=None):
@@ -35,8 +46,9 @@ def main(argv=None):
     parser.add_argument("--shapes", default="1x1,1x16,32x1,32x16,1x1024,1x8192",
                         help="rows x tokens per row, comma separated")
     parser.add_argument("--reference-limit", type=int, default=1024, help="the reference's most tokens per call")
-    parser.add_argument("--unrolls", default="",
-                        help="also time the kernel with these tokens per run (comma separated), as pallas_u<n>")
+    parser.add_argument("--variants", default="",
+                        help="also time the kernel with other settings, comma separated, each as u<tokens per run>"
+                             "v<value columns per program>w<warps> (e.g. u4v8w1), any part left out at its default")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--chain", type=int, default=10,
                         help="calls per timed sample, each from the state the last one left (one call's dispatch "
@@ -50,8 +62,9 @@ def main(argv=None):
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
     variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference}
-    for unroll in filter(None, args.unrolls.split(",")):
-        variants[f"pallas_u{unroll}"] = functools.partial(delta_rule_pallas, unroll=int(unroll), interpret=interpret)
+    for variant in filter(None, args.variants.split(",")):
+        variants[f"pallas_{variant}"] = functools.partial(delta_rule_pallas, interpret=interpret,
+                                                          **kernel_settings(variant))
     key = jax.random.key(0)
     results = []
     for rows, per_row in shapes:
