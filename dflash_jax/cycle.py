@@ -356,8 +356,11 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     rows_before = recurrent_rows(state, batch)
     # Without drafts a row keeps its one token when it has any remaining: known beforehand
     known_kept_T = kept_tokens(batch, jnp.minimum(batch.remaining_R, 1)) if num_query == 1 else None
+    # With drafts only the prefill chunks' states are final after the pass (`advanced_rows`)
+    commits_R = None if num_query == 1 else ~batch.verifying_R
     target_cache, logits, features, rule_passes = target_step(target, state.target_cache, batch.target,
-                                                              cfg.layer_ids, cfg.kernels, rows_before, known_kept_T)
+                                                              cfg.layer_ids, cfg.kernels, rows_before, known_kept_T,
+                                                              commits_R)
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
     if cfg.penalizes:
         counts_RV, seen_RV = prefill_token_counts(state, batch)
@@ -390,7 +393,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     if rows_before is not None:  # the states after the kept tokens only: rejected drafts leave no trace
         rows_after = states_after(rule_passes) if known_kept_T is not None else advanced_rows(
             rows_before, rule_passes, batch.target.rows, batch.target.query_start_loc[:-1], kept_tokens(batch, count_R),
-            cfg.kernels)
+            commits_R, cfg.kernels)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
             lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
         if state.saved_recurrent is not None and batch.save_R is not None:

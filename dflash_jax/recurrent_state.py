@@ -3,13 +3,14 @@ rule over a ragged batch: each batch row (a prefill chunk or a verify block) con
 request's state.
 
 A verify block advances the state over drafts the target may reject, so a cycle with drafts
-runs the rule twice: once over every token of the batch for the outputs alone (each token
-sees the state after the tokens before it in its row; the rows' states stay as they were),
-then, once the accepted lengths are known, over the tokens each row keeps (`advancing_T`: a
-prefill chunk's all, a verify row's anchor and accepted drafts) for the state it commits,
-from the queries, keys and values the first pass kept (`RulePass`). Rejected drafts leave no
-trace. A step without drafts knows the tokens it keeps beforehand, and its one pass leaves
-the states to commit.
+runs the rule twice: once over every token of the batch for the outputs (each token sees the
+state after the tokens before it in its row), which commits the states of the rows that keep
+all their tokens (prefill chunks) and leaves the verify rows' as they were; then, once the
+accepted lengths are known, over each verify row's anchor and accepted drafts
+(`advancing_T`) for the state it commits, from the queries, keys and values the first pass
+kept (`RulePass`). Rejected drafts leave no trace, and no state is copied or walked twice.
+A step without drafts knows the tokens it keeps beforehand, and its one pass leaves the
+states to commit.
 """
 
 from __future__ import annotations
@@ -79,26 +80,28 @@ class RulePass:
     q_THK: jax.Array
     k_THK: jax.Array
     v_THV: jax.Array
-    after: tuple[jax.Array, jax.Array] | None  # (history [R, taps - 1, C], delta [R, value heads, key dim,
-    # value dim]) after the tokens that advanced each row; None for a pass that left the states
+    after: tuple[jax.Array, jax.Array]  # (history [R, taps - 1, C], delta [R, value heads, key dim, value dim])
+    # after the tokens that advanced each row (the delta as it was in rows that do not commit)
 
 
-def delta_rule(inputs: RecurrentInputs, kernels: Kernels, *, outputs: bool = True, states: bool = True):
+def delta_rule(inputs: RecurrentInputs, kernels: Kernels, *, outputs: bool = True):
     """`kernels.delta_rule` for the layer of `inputs`: where its heads are split over a mesh,
     run once per shard on the shard's heads (the Pallas kernel included); heads left whole
     on a mesh take the reference, which XLA partitions."""
     if inputs.mesh is None:
-        return functools.partial(kernels.delta_rule, outputs=outputs, states=states)
+        return functools.partial(kernels.delta_rule, outputs=outputs)
     if inputs.shards == 1:
-        return functools.partial(delta_rule_reference, outputs=outputs, states=states)
+        return functools.partial(delta_rule_reference, outputs=outputs)
 
     def local(q_THK, k_THK, v_THV, g_TV1, beta_TV1, delta_RHKV, shared):
-        return kernels.delta_rule(q_THK, k_THK, v_THV, g_TV1[..., 0], beta_TV1[..., 0], delta_RHKV, *shared,
-                                  outputs=outputs, states=states)
+        starts_R, ends_R, commits_R = shared
+        return kernels.delta_rule(q_THK, k_THK, v_THV, g_TV1[..., 0], beta_TV1[..., 0], delta_RHKV, starts_R, ends_R,
+                                  outputs=outputs, commits_R=commits_R)
 
     split = per_shard(inputs.mesh, local, 6)
-    return lambda q, k, v, g, beta, delta, starts, ends: split(q, k, v, g[..., None], beta[..., None], delta,
-                                                               (starts, ends))
+    return lambda q, k, v, g, beta, delta, starts, ends, commits_R=None: split(
+        q, k, v, g[..., None], beta[..., None], delta,
+        (starts, ends, jnp.ones(starts.shape, bool) if commits_R is None else commits_R))
 
 
 def kept_counts(rows_T, advancing_T, num_rows: int):
@@ -117,12 +120,12 @@ def history_after(mixed_TC, history_RKC, starts_R, kept_R):
 
 
 def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
-                kernels: Kernels, *, states: bool = True) -> tuple[jax.Array, RulePass]:
+                kernels: Kernels, commits_R=None) -> tuple[jax.Array, RulePass]:
     """(out [T, value heads, value dim] float32, the pass): each token t of batch row
     `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
     tokens) convolved and run through the rule from its row's state, which advances over
-    those tokens (`states=False`: the pass keeps no states, for a caller that commits others);
-    the other tokens' outputs are zeros."""
+    those tokens in the rows `commits_R` (bool [R], None: all) and stays in the others; the
+    other tokens' outputs are zeros."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
@@ -137,23 +140,26 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
     v_THV = v_THV.astype(jnp.float32)
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
-    out_THV, delta_RHKV = delta_rule(inputs, kernels, states=states)(
-        q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV, delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R)
-    after = (history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV) if states else None
+    out_THV, delta_RHKV = delta_rule(inputs, kernels)(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
+                                                      delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R,
+                                                      commits_R=commits_R)
+    after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
     return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
 
 
-def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T,
+def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T, commits_R,
                   kernels: Kernels) -> RecurrentState:
-    """Each batch row's state after the tokens it keeps (`advancing_T`), from `rows` (its
-    state before the batch) and what each layer's rule read in the batch: the rule runs
-    again over those tokens, for the states alone, in every row."""
+    """Each batch row's state after the tokens it keeps (`advancing_T`), from the passes
+    (`ragged_rule` with `commits_R`) and `rows` (the states before the batch): rows whose pass
+    committed keep its state; in the others the rule runs again over their kept tokens alone,
+    from the state the pass left them (the one before the batch), for the states alone."""
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     history, delta = [], []
-    for p, history_RKC, delta_RHKV in zip(passes, rows.history, rows.delta):
+    for p, history_RKC in zip(passes, rows.history):
         history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
         delta.append(delta_rule(p.inputs, kernels, outputs=False)(
-            p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, delta_RHKV, starts_R, starts_R + kept_R)[1])
+            p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, p.after[1], starts_R,
+            starts_R + jnp.where(commits_R, 0, kept_R))[1])
     return RecurrentState(tuple(history), tuple(delta))
 
 

@@ -50,18 +50,17 @@ class TargetBatch:
 
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
-                kernels: Kernels, recurrent_rows: RecurrentState | None = None, advancing_T=None):
+                kernels: Kernels, recurrent_rows: RecurrentState | None = None, advancing_T=None, commits_R=None):
     """(cache, logits [R * Q, V] float32, features [T, F], the gated-delta-net layers'
     `RulePass`es) for one batch, with the (resolved) `kernels`. A hybrid target's
     gated-delta-net layers run from `recurrent_rows`, each batch row's state before the batch,
-    and advance it over `advancing_T` (a prefix of each row's tokens), for the caller to
-    commit (`recurrent_state.states_after`); None: the tokens kept are not known yet (drafts),
-    so the rule runs over every real token for the outputs alone and the caller commits
-    `advanced_rows` over the tokens kept."""
+    and advance it over `advancing_T` (a prefix of each row's tokens; None: every real token)
+    in the rows `commits_R` (None: all), the others' states left as they were; the caller
+    commits the states (`recurrent_state.states_after`, or `advanced_rows` over the tokens
+    kept)."""
     seq_lens_R = _seq_lens(batch)
     passes = []
     cache_layers = {layer: i for i, layer in enumerate(target.cfg.kv_layers)}  # the cache holds attention layers
-    keeps_states = advancing_T is not None
     if advancing_T is None:  # every real token
         advancing_T = jnp.arange(batch.token_ids.shape[0]) < batch.query_start_loc[-1]
 
@@ -70,7 +69,7 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
         if isinstance(heads, RecurrentInputs):
             j = len(passes)
             out_THV, rule_pass = ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
-                                             batch.query_start_loc[:-1], advancing_T, kernels, states=keeps_states)
+                                             batch.query_start_loc[:-1], advancing_T, kernels, commits_R)
             passes.append(rule_pass)
             return out_THV
         out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,

@@ -41,13 +41,14 @@ def _token_rows(starts_R, ends_R, num_tokens: int):
 
 
 def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
-                         states: bool = True):
+                         commits_R=None):
     """(out [T, value heads, value dim] float32, state [R, value heads, key dim, value dim]):
     each row's tokens `[starts_R[r], ends_R[r])` run through the rule from `state_RHKV[r]`.
     q and k (float32, prepared: L2-normed, q scaled) have key heads, each shared by value
     heads / key heads consecutive value heads; g and beta are per value head. With
-    `outputs=False` the outputs are zeros (a caller that wants the states alone); with
-    `states=False` the state returned is `state_RHKV` (a caller that wants the outputs alone)."""
+    `outputs=False` the outputs are zeros (a caller that wants the states alone). `commits_R`
+    (bool [R], None: every row): the rows whose advanced state is returned; the others' comes
+    back as it went in (a caller that will advance them over fewer tokens)."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
     q_THK, k_THK = (jnp.repeat(x, repeat, axis=1) for x in (q_THK, k_THK))
     row_T, in_row_T = _token_rows(starts_R, ends_R, q_THK.shape[0])
@@ -62,11 +63,13 @@ def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_
 
     tokens = (q_THK, k_THK, v_THV, g_TH, beta_TH, row_T, in_row_T)
     after_RHKV, out_THV = lax.scan(step, state_RHKV, tokens)
-    return (out_THV if outputs else jnp.zeros_like(out_THV)), (after_RHKV if states else state_RHKV)
+    if commits_R is not None:
+        after_RHKV = jnp.where(commits_R[:, None, None, None], after_RHKV, state_RHKV)
+    return (out_THV if outputs else jnp.zeros_like(out_THV)), after_RHKV
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, out_ref, *state_ref,
-            repeat: int, block_v: int, unroll: int, write_out: bool):
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, commits_ref, out_ref, state_ref,
+            *, repeat: int, block_v: int, unroll: int, write_out: bool):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     key_head = head // repeat
     cols = pl.ds(col_block * block_v, block_v)
@@ -93,17 +96,18 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends
     runs = (end - start) // unroll
     state_KV = lax.fori_loop(0, runs, lambda i, s: run(start + i * unroll, s), state_in_ref[row, head, :, cols])
     state_KV = lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)), state_KV)
-    if state_ref:
-        state_ref[0][row, head, :, cols] = state_KV
+
+    @pl.when(commits_ref[row] != 0)  # else the row's state stays as it came in (the output aliases it)
+    def _():
+        state_ref[row, head, :, cols] = state_KV
 
 
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
-                      states: bool = True, block_v: int = BLOCK_V, unroll: int | None = None, num_warps: int = 4,
+                      commits_R=None, block_v: int = BLOCK_V, unroll: int | None = None, num_warps: int = 4,
                       interpret: bool | None = None):
     """`delta_rule_reference` (same arguments and result) as one kernel, which with
-    `outputs=False` writes no outputs, and with `states=False` no states (nor a copy of
-    `state_RHKV`, which it then does not overwrite). interpret: None runs compiled on a GPU
-    backend and in interpret mode elsewhere. unroll: tokens per run (None: `UNROLL` where the
+    `outputs=False` writes no outputs. interpret: None runs compiled on a GPU backend and in
+    interpret mode elsewhere. unroll: tokens per run (None: `UNROLL` where the
     call has at most `UNROLL_MAX_PROGRAMS` programs, else 1)."""
     T, Hk, K = q_THK.shape
     R, H, _, V = state_RHKV.shape
@@ -114,19 +118,16 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
     interpret = runs_interpreted(interpret)
     if unroll is None:
         unroll = UNROLL if R * H * (V // block_v) <= UNROLL_MAX_PROGRAMS else 1
-    out_shape = (jax.ShapeDtypeStruct((T, H, V), jnp.float32),)
-    if states:
-        out_shape += (jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32),)
-    out, *state = pl.pallas_call(
+    commits_R = jnp.ones((R,), jnp.int32) if commits_R is None else commits_R.astype(jnp.int32)
+    out, state = pl.pallas_call(
         functools.partial(_kernel, repeat=H // Hk, block_v=block_v, unroll=unroll, write_out=outputs),
-        out_shape=out_shape,
+        out_shape=(jax.ShapeDtypeStruct((T, H, V), jnp.float32), jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
         grid=(R, H, V // block_v),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        input_output_aliases={5: 1} if states else {},
+        input_output_aliases={5: 1},
         name="gated_delta_rule",
-    )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32))
-    state = state[0] if states else state_RHKV
+    )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), commits_R)
     if not outputs:
         return jnp.zeros_like(out), state
     _, in_row_T = _token_rows(starts_R, ends_R, T)

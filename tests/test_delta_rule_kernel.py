@@ -41,9 +41,14 @@ def test_kernel_computes_its_reference(rows, block_v):
     np.testing.assert_array_equal(np.asarray(got_state)[untouched], np.asarray(inputs[5])[untouched])
     _, states_only = delta_rule_pallas(*inputs, starts, ends, outputs=False, interpret=True)
     np.testing.assert_array_equal(states_only, got_state)
-    outputs_only, state_kept = delta_rule_pallas(*inputs, starts, ends, states=False, interpret=True)
-    np.testing.assert_array_equal(outputs_only, got_out)
-    np.testing.assert_array_equal(state_kept, inputs[5])
+    commits = jnp.arange(len(rows)) % 2 == 0  # every other row's state comes back as it went in
+    outputs_kept, some_states = delta_rule_pallas(*inputs, starts, ends, commits_R=commits, interpret=True)
+    np.testing.assert_array_equal(outputs_kept, got_out)
+    want_some = np.where(np.asarray(commits)[:, None, None, None], np.asarray(want_state), np.asarray(inputs[5]))
+    np.testing.assert_allclose(some_states, want_some, rtol=1e-5, atol=1e-5)
+    _, reference_some = delta_rule_reference(*inputs, starts, ends, commits_R=commits)
+    np.testing.assert_array_equal(reference_some, np.where(np.asarray(commits)[:, None, None, None],
+                                                           np.asarray(want_state), np.asarray(inputs[5])))
 
 
 def test_reference_matches_transformers_recurrent_form():
