@@ -108,6 +108,10 @@ def test_gpu_compiled_kernel_matches_reference(block_v):
     got_out, got_state = delta_rule_pallas(*inputs, starts, ends, block_v=block_v, interpret=False)
     np.testing.assert_allclose(got_out, want_out, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(got_state, want_state, rtol=2e-4, atol=2e-4)
+    commits = jnp.array([True, False, True, False])  # rows 1 and 3: states back as they came in
+    _, some_states = delta_rule_pallas(*inputs, starts, ends, commits_R=commits, block_v=block_v, interpret=False)
+    np.testing.assert_array_equal(np.asarray(some_states)[[1, 3]], np.asarray(inputs[5])[[1, 3]])
+    np.testing.assert_allclose(np.asarray(some_states)[[0, 2]], np.asarray(want_state)[[0, 2]], rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.gpu
