@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Hybrid (Qwen3.5) targets in one device call: the gated-delta-rule kernel's GPU tests, then
 # bench.decode.speed on the Qwen3.5-9B shape (AR step and DFlash cycle at each of POINTS, with
-# the Pallas rule), the same steps at 1x1k with the jnp reference rule, and the rule alone
-# (bench.kernels.delta_rule).
+# the Pallas rule), the same steps at 1x1k with the jnp reference rule, the rule alone
+# (bench.kernels.delta_rule, with the kernel settings in VARIANTS), and with PARTS naming them:
+# `profile` (device events per iteration at the first of POINTS) and `sweep` (the attention
+# kernel's settings at 32k with the model's heads).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
-#                                               # PARTS (tests,steps,reference,kernel), LIMIT (s, the steps)
+#                                               # PARTS (tests,steps,reference,kernel; also profile,sweep),
+#                                               # LIMIT (s, the steps), VARIANTS (u1,u4v8w1,...)
 #   OUT=/tmp/h SMALL=1 bash bench/plans/hybrid.sh HEAD  # CPU smoke test
 source "$(dirname "$0")/common.sh"
 parts=${PARTS:-tests,steps,reference,kernel}
+points=${POINTS:-1x1k,1x8k,1x32k,32x1k}
+blocks=${BLOCKS:-16,8}
 shape=$(big qwen3_5-9b small-qwen3_5)
 if [[ $parts == *tests* ]]; then
     echo "== gpu tests"
@@ -17,8 +22,8 @@ if [[ $parts == *tests* ]]; then
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
 if [[ $parts == *steps* ]]; then
-    decode hybrid-steps ${LIMIT:-380} "" --model "$shape" --points "$(big "${POINTS:-1x1k,1x8k,1x32k,32x1k}" 1x128)" \
-        --sections generate,steps --block-sizes "${BLOCKS:-16,8}" --budget-s $(( ${LIMIT:-380} - 60 ))
+    decode hybrid-steps ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" \
+        --sections generate,steps --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 ))
 fi
 if [[ $parts == *reference* ]]; then
     decode hybrid-reference ${LIMIT:-150} "" --model "$shape" --kernels recurrence=reference \
@@ -26,8 +31,20 @@ if [[ $parts == *reference* ]]; then
 fi
 if [[ $parts == *kernel* ]]; then
     echo "== delta-rule kernel"
-    timeout 150 python3 -m bench.kernels.delta_rule $small --reps 10 --out "$out/delta_rule.json" \
-        > "$out/delta_rule.log" 2>&1
-    echo "   rc=$?"; tail -n 14 "$out/delta_rule.log"
+    timeout 150 python3 -m bench.kernels.delta_rule $small --reps 10 --variants "${VARIANTS:-u1,u4v16w2,u4v8w1}" \
+        --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
+    echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
+fi
+if [[ $parts == *profile* ]]; then
+    decode hybrid-profile 200 "" --model "$shape" --points "$(big "${points%%,*}" 1x128)" --sections generate \
+        --profile --block-sizes "${blocks%%,*}"
+    grep -E "^- (gated|paged|memcpy)|^\| 1x" "$out/hybrid-profile.log"
+fi
+if [[ $parts == *sweep* ]]; then
+    echo "== attention settings at long context"
+    timeout 240 python3 -m bench.kernels.paged_attention --sweep --model "$(big qwen3_5-9b small)" \
+        --contexts "$(big 32768 64)" $(big "" "--reps 1 --chain 1 --min-cache-mb 0") --out "$out/attention_sweep.json" \
+        > "$out/attention_sweep.log" 2>&1
+    echo "   rc=$?"; grep -E "^B1" "$out/attention_sweep.log" | sort -k9 -n | head -n 12
 fi
 python3 -m bench.decode.summary "$out"
