@@ -100,8 +100,7 @@ def delta_rule(inputs: RecurrentInputs, kernels: Kernels, *, outputs: bool = Tru
 
     split = per_shard(inputs.mesh, local, 6)
     return lambda q, k, v, g, beta, delta, starts, ends, commits_R=None: split(
-        q, k, v, g[..., None], beta[..., None], delta,
-        (starts, ends, jnp.ones(starts.shape, bool) if commits_R is None else commits_R))
+        q, k, v, g[..., None], beta[..., None], delta, (starts, ends, commits_R))
 
 
 def kept_counts(rows_T, advancing_T, num_rows: int):

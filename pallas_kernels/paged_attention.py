@@ -124,7 +124,7 @@ def max_query_blocks(num_tokens: int, num_rows: int, block_q: int) -> int:
     return min(num_tokens, -(-num_tokens // block_q) + num_rows)
 
 
-def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads: int = 8) -> int:
+def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads: int) -> int:
     """Key splits for a step of `num_tokens` queries over `num_rows` requests: enough that
     query blocks x splits reach ~256 programs over the kv heads (~32 per kv head at 8 kv
     heads, 64 at 4: about two per H200 SM), at most 128 / kv heads splits (one query block's
