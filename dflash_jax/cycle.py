@@ -360,7 +360,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     commits_R = None if num_query == 1 else ~batch.verifying_R
     target_cache, logits, features, rule_passes = target_step(target, state.target_cache, batch.target,
                                                               cfg.layer_ids, cfg.kernels, rows_before, known_kept_T,
-                                                              commits_R)
+                                                              commits_R, ~batch.verifying_R)
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
     if cfg.penalizes:
         counts_RV, seen_RV = prefill_token_counts(state, batch)

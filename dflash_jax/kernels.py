@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas, chunked_delta_rule_reference
 from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
@@ -120,6 +121,11 @@ class Kernels:
     def delta_rule(self):
         """`delta_rule_reference`'s signature: the gated delta rule over ragged rows."""
         return delta_rule_pallas if self._chosen("recurrence") == "pallas" else delta_rule_reference
+
+    @property
+    def chunked_delta_rule(self):
+        """`delta_rule_reference`'s signature, in chunks of tokens (prefill rows)."""
+        return chunked_delta_rule_pallas if self._chosen("recurrence") == "pallas" else chunked_delta_rule_reference
 
     def paged_attention(self, q_req_T, *, num_rows: int, num_kv_heads: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes

@@ -10,7 +10,8 @@ accepted lengths are known, over each verify row's anchor and accepted drafts
 (`advancing_T`) for the state it commits, from the queries, keys and values the first pass
 kept (`RulePass`). Rejected drafts leave no trace, and no state is copied or walked twice.
 A step without drafts knows the tokens it keeps beforehand, and its one pass leaves the
-states to commit.
+states to commit. Long prefill chunks go through the rule in chunks of tokens (products in
+place of a walk over every token); decode and verify rows always take the walk.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash_jax.gated_delta_rule import RecurrentInputs, causal_conv_taps, prepa
 from dflash_jax.kernels import Kernels
 from dflash_jax.shard_layout import linear_attention_shards
 from dflash_jax.sharding import MODEL, per_shard
+from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_reference
 from pallas_kernels.delta_rule import delta_rule_reference
 
 
@@ -84,23 +86,47 @@ class RulePass:
     # after the tokens that advanced each row (the delta as it was in rows that do not commit)
 
 
-def delta_rule(inputs: RecurrentInputs, kernels: Kernels, *, outputs: bool = True):
-    """`kernels.delta_rule` for the layer of `inputs`: where its heads are split over a mesh,
-    run once per shard on the shard's heads (the Pallas kernel included); heads left whole
-    on a mesh take the reference, which XLA partitions."""
+def sharded_rule(inputs: RecurrentInputs, rule, reference, *, outputs: bool = True):
+    """`rule` (`delta_rule_reference`'s signature) for the layer of `inputs`: where its heads
+    are split over a mesh, run once per shard on the shard's heads (a Pallas kernel included);
+    heads left whole on a mesh take `reference`, which XLA partitions."""
     if inputs.mesh is None:
-        return functools.partial(kernels.delta_rule, outputs=outputs)
+        return functools.partial(rule, outputs=outputs)
     if inputs.shards == 1:
-        return functools.partial(delta_rule_reference, outputs=outputs)
+        return functools.partial(reference, outputs=outputs)
 
     def local(q_THK, k_THK, v_THV, g_TV1, beta_TV1, delta_RHKV, shared):
         starts_R, ends_R, commits_R = shared
-        return kernels.delta_rule(q_THK, k_THK, v_THV, g_TV1[..., 0], beta_TV1[..., 0], delta_RHKV, starts_R, ends_R,
-                                  outputs=outputs, commits_R=commits_R)
+        return rule(q_THK, k_THK, v_THV, g_TV1[..., 0], beta_TV1[..., 0], delta_RHKV, starts_R, ends_R,
+                    outputs=outputs, commits_R=commits_R)
 
     split = per_shard(inputs.mesh, local, 6)
     return lambda q, k, v, g, beta, delta, starts, ends, commits_R=None: split(
         q, k, v, g[..., None], beta[..., None], delta, (starts, ends, commits_R))
+
+
+def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV, delta_RHKV, starts_R, ends_R,
+                 commits_R, prefill_R):
+    """(out, state) of the rule over each row's `[start, end)` (`delta_rule_reference`'s
+    result): prefill rows (`prefill_R`, None: none) of at least `CHUNK` tokens in chunks,
+    the others token by token, so that decode and verify rows compute exactly what single
+    steps compute. The chunked pass runs only in a batch that has such a row."""
+    rule_inputs = (q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV)
+    by_token = sharded_rule(inputs, kernels.delta_rule, delta_rule_reference)
+    if prefill_R is None or q_THK.shape[0] < CHUNK:
+        return by_token(*rule_inputs, delta_RHKV, starts_R, ends_R, commits_R=commits_R)
+    chunked_R = prefill_R & (ends_R - starts_R >= CHUNK)
+    commits_R = jnp.ones_like(chunked_R) if commits_R is None else commits_R
+    out_THV, delta_RHKV = by_token(*rule_inputs, delta_RHKV, starts_R, jnp.where(chunked_R, starts_R, ends_R),
+                                   commits_R=commits_R & ~chunked_R)
+    by_chunk = sharded_rule(inputs, kernels.chunked_delta_rule, chunked_delta_rule_reference)
+
+    def chunked(delta_RHKV):
+        chunk_out_THV, delta_RHKV = by_chunk(*rule_inputs, delta_RHKV, starts_R, jnp.where(chunked_R, ends_R, starts_R),
+                                             commits_R=commits_R & chunked_R)
+        return out_THV + chunk_out_THV, delta_RHKV
+
+    return jax.lax.cond(jnp.any(chunked_R), chunked, lambda delta_RHKV: (out_THV, delta_RHKV), delta_RHKV)
 
 
 def kept_counts(rows_T, advancing_T, num_rows: int):
@@ -119,12 +145,13 @@ def history_after(mixed_TC, history_RKC, starts_R, kept_R):
 
 
 def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
-                kernels: Kernels, commits_R=None) -> tuple[jax.Array, RulePass]:
+                kernels: Kernels, commits_R=None, prefill_R=None) -> tuple[jax.Array, RulePass]:
     """(out [T, value heads, value dim] float32, the pass): each token t of batch row
     `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
     tokens) convolved and run through the rule from its row's state, which advances over
     those tokens in the rows `commits_R` (bool [R], None: all) and stays in the others; the
-    other tokens' outputs are zeros."""
+    other tokens' outputs are zeros. Long prefill rows (`prefill_R`) go in chunks
+    (`rule_by_rows`)."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
@@ -139,9 +166,8 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
     v_THV = v_THV.astype(jnp.float32)
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
-    out_THV, delta_RHKV = delta_rule(inputs, kernels)(q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV,
-                                                      delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R,
-                                                      commits_R=commits_R)
+    out_THV, delta_RHKV = rule_by_rows(inputs, kernels, q_THK, k_THK, v_THV, delta_RHKV.astype(jnp.float32), starts_R,
+                                       starts_R + kept_R, commits_R, prefill_R)
     after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
     return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
 
@@ -156,7 +182,7 @@ def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, st
     history, delta = [], []
     for p, history_RKC in zip(passes, rows.history):
         history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
-        delta.append(delta_rule(p.inputs, kernels, outputs=False)(
+        delta.append(sharded_rule(p.inputs, kernels.delta_rule, delta_rule_reference, outputs=False)(
             p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, p.after[1], starts_R,
             starts_R + jnp.where(commits_R, 0, kept_R))[1])
     return RecurrentState(tuple(history), tuple(delta))

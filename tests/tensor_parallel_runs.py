@@ -260,8 +260,9 @@ def dflash2() -> dict:
 def qwen3_5() -> dict:
     """Greedy tokens and accepted lengths of a Qwen3.5 target (a gated-delta-net layer, then a
     gated attention layer) at TP 1, 2 and 4, its autoregressive tokens at TP 1, and the
-    devices each holds a slice of the linear-attention heads' parameters and state on; the
-    greedy tokens of its MoE variant at TP 1 and 2."""
+    devices each holds a slice of the linear-attention heads' parameters and state on; a long
+    prompt's tokens (its prefill in chunks) at TP 1 and 2; the greedy tokens of its MoE variant
+    at TP 1 and 2."""
     raw = dict(
         architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -286,6 +287,9 @@ def qwen3_5() -> dict:
                               and x.addressable_shards[0].data.shape != x.shape
                               for x in (mixer.in_proj_qkv.kernel[...], mixer.out_proj.kernel[...],
                                         state.delta[0], state.history[0])]
+    long_prompt = [[(7 * i) % 120 + 3 for i in range(100)]]  # prefilled in chunks of 64 tokens
+    out["long"] = [generate(*models(cfg, tp), long_prompt, max_new_tokens=8, kernels=Kernels(recurrence=rule))
+                   .token_ids for tp, rule in ((1, "reference"), (2, "reference"), (2, "pallas"))]
     few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
     out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12, kernels=Kernels(recurrence="pallas"))
                         .token_ids for tp in (1, 4)]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas
 from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 
 
@@ -51,19 +52,25 @@ def test_kernel_computes_its_reference(rows, block_v):
                                                            np.asarray(want_state), np.asarray(inputs[5])))
 
 
-def test_reference_matches_transformers_recurrent_form():
+def assert_equals_transformers(ours, theirs, num_tokens: int):
+    """`ours` (`delta_rule_reference`'s signature) over one row of random inputs equals
+    transformers' `theirs` (its recurrent or chunked form) from the same state."""
     torch = pytest.importorskip("torch")
+    q, k, v, g, beta, state = random_inputs(np.random.default_rng(3), T=num_tokens, R=1)
+    q_rep, k_rep = (jnp.repeat(x, 2, axis=1) for x in (q * 16 ** 0.5, k))  # its heads repeated already; it scales q
+    out, final = theirs(*(torch.tensor(np.asarray(x))[None] for x in (q_rep, k_rep, v, g, beta)),
+                        initial_state=torch.tensor(np.asarray(state)), output_final_state=True,
+                        use_qk_l2norm_in_kernel=False)
+    got, last = ours(q, k, v, g, beta, state, jnp.array([0]), jnp.array([num_tokens]))
+    np.testing.assert_allclose(got, out[0].numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(last, final.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_reference_matches_transformers_recurrent_form():
+    pytest.importorskip("torch")
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-    rng = np.random.default_rng(3)
-    q, k, v, g, beta, state = random_inputs(rng, T=9, R=1)
-    q_rep, k_rep = (jnp.repeat(x, 2, axis=1) for x in (q * 16 ** 0.5, k))  # its heads repeated already; it scales q
-    out, final = torch_recurrent_gated_delta_rule(
-        *(torch.tensor(np.asarray(x))[None] for x in (q_rep, k_rep, v, g, beta)),
-        initial_state=torch.tensor(np.asarray(state)), output_final_state=True, use_qk_l2norm_in_kernel=False)
-    ours, last = delta_rule_reference(q, k, v, g, beta, state, jnp.array([0]), jnp.array([9]))
-    np.testing.assert_allclose(ours, out[0].numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(last, final.numpy(), rtol=1e-4, atol=1e-5)
+    assert_equals_transformers(delta_rule_reference, torch_recurrent_gated_delta_rule, 9)
 
 
 def assert_block_equals_its_tokens(rule, inputs):
@@ -87,11 +94,11 @@ def test_a_block_equals_its_tokens_one_at_a_time(kernel):
     assert_block_equals_its_tokens(rule, random_inputs(np.random.default_rng(5), T=6, R=1))
 
 
-def test_shapes_the_kernel_cannot_tile_are_refused():
-    rng = np.random.default_rng(0)
-    q, k, v, g, beta, state = random_inputs(rng, T=4, R=1, dk=12)
+@pytest.mark.parametrize("kernel", [delta_rule_pallas, chunked_delta_rule_pallas], ids=["walk", "chunked"])
+def test_shapes_the_kernels_cannot_tile_are_refused(kernel):
+    q, k, v, g, beta, state = random_inputs(np.random.default_rng(0), T=4, R=1, dk=12)
     with pytest.raises(ValueError, match="power-of-two key dim"):
-        delta_rule_pallas(q, k, v, g, beta, state, jnp.array([0]), jnp.array([4]), interpret=True)
+        kernel(q, k, v, g, beta, state, jnp.array([0]), jnp.array([4]), interpret=True)
 
 
 @pytest.mark.gpu

@@ -181,7 +181,9 @@ def decoding_pair(tmp_path_factory):
     return hf, dflash_jax.load_target(tmp / "converted"), drafter, tmp
 
 
-PROMPTS = [[5, 17, 33, 2, 8, 41, 7], [40, 41, 9]]
+# the last prompt is prefilled in chunks of 64 tokens (`recurrent_state.rule_by_rows`) by
+# `generate`, token by token in the Engine's 16-token prefill chunks
+PROMPTS = [[5, 17, 33, 2, 8, 41, 7], [40, 41, 9], np.random.default_rng(7).integers(0, 95, 70).tolist()]
 
 
 def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accepted_blocks(decoding_pair):
@@ -223,6 +225,47 @@ def test_the_engine_stays_exact_under_chunked_prefill_preemption_and_abort(decod
         engine.step()
     assert [engine.output(i) for i in ids] == reference
     assert sum(engine.stats(i).num_preemptions for i in ids) > 0
+
+
+@pytest.fixture(scope="module")
+def slow_decay(tmp_path_factory):
+    """A Qwen3.5 target whose gated-delta-net states decay slowly (A_log near -4: ~1% a
+    token), so that a state 64 tokens back still shows in the logits."""
+    tmp = tmp_path_factory.mktemp("qwen3_5_slow_decay")
+    hf = make_qwen3_5(seed=3)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("A_log"):
+                param.sub_(4.0)
+    assert main(["convert", save_hf(hf, tmp / "hf"), str(tmp / "converted")]) == 0
+    return hf, dflash_jax.load_target(tmp / "converted")
+
+
+@pytest.mark.parametrize("recurrence", ["reference", "pallas"])
+def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_decay, recurrence):
+    """A 100-token prompt prefilled as one row (no prefix caching, which would cut it at its
+    last full page) goes through the rule in chunks of 64 and 36 (the Pallas walk in interpret
+    mode here), then decodes token by token: each generated token's log-probability equals
+    transformers' over the same sequence, and the tokens equal a 16-token prefill's (every row
+    walked token by token)."""
+    hf, target = slow_decay
+    prompt = np.random.default_rng(11).integers(0, 95, 100).tolist()
+    params = dflash_jax.SamplingParams(max_new_tokens=6, logprobs=0)
+
+    def run(max_num_tokens):
+        engine = dflash_jax.Engine(target, None, max_num_reqs=1, max_num_tokens=max_num_tokens,
+                                   prefix_caching=False, kernels=dflash_jax.Kernels(recurrence=recurrence))
+        request, logprobs = engine.add_request(prompt, params), []
+        while engine.has_unfinished():
+            logprobs += [t.logprob for out in engine.step() for t in out.logprobs]
+        return engine.output(request), logprobs
+
+    tokens, logprobs = run(128)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    np.testing.assert_allclose(logprobs, want.numpy(), rtol=0, atol=2e-5)
+    assert run(16)[0] == tokens
 
 
 def test_prefix_caching_starts_hybrid_requests_from_saved_states_exactly(converted, decoding_pair):

@@ -64,6 +64,7 @@ def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
     assert out["pallas 2"] == out["1"][0]
     tokens, cached, autoregressive = out["engine 2"]  # prefix caching restores a state split over the mesh
     assert tokens == autoregressive and cached == [0, 16, 16]
+    assert out["long"][1] == out["long"][2] == out["long"][0]  # the chunked prefill, per shard of the heads
     assert out["few heads"][1] == out["few heads"][0]
     assert out["moe"][1] == out["moe"][0]  # experts split over "model" beside the linear heads
 

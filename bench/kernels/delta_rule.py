@@ -7,6 +7,8 @@ and prefill (one row of many tokens) shapes.
 
 `--variants u1,u4v8w1` adds the kernel with other settings: tokens per run (whose inputs load
 together), value columns per program (more programs, less state each) and warps.
+`--chunked v32w4,v64w8` times the chunked form (`chunked_delta_rule_pallas`, what prefill rows
+of at least its chunk take) with those value columns and warps, at rows of a chunk or more.
 Each sample times a jitted chain of --chain calls, each starting from the state the one before
 left, so one dispatch serves them all. Reports us per call and, for the kernel, the state's bytes read and written over the time
 (each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
@@ -23,7 +25,7 @@ from bench.shapes import MODELS
 
 
 def kernel_settings(variant: str) -> dict:
-    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1"."""
+    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u)."""
     match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?", variant)
     if not match or not variant:
         raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>.")
@@ -38,6 +40,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from dflash_jax.config import parse_config
+    from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_pallas
     from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -49,6 +52,9 @@ def main(argv=None):
     parser.add_argument("--variants", default="",
                         help="also time the kernel with other settings, comma separated, each as u<tokens per run>"
                              "v<value columns per program>w<warps> (e.g. u4v8w1), any part left out at its default")
+    parser.add_argument("--chunked", default="v32w4",
+                        help="the chunked form's settings to time at rows of a chunk or more, comma separated, each "
+                             "as v<value columns per program>w<warps>; '' for none")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--chain", type=int, default=10,
                         help="calls per timed sample, each from the state the last one left (one call's dispatch "
@@ -65,6 +71,11 @@ def main(argv=None):
     for variant in filter(None, args.variants.split(",")):
         variants[f"pallas_{variant}"] = functools.partial(delta_rule_pallas, interpret=interpret,
                                                           **kernel_settings(variant))
+    for variant in filter(None, args.chunked.split(",")):
+        settings = kernel_settings(variant)
+        if "unroll" in settings:
+            raise SystemExit(f"--chunked entry {variant!r}: the chunked form has no tokens per run (u).")
+        variants[f"chunked_{variant}"] = functools.partial(chunked_delta_rule_pallas, interpret=interpret, **settings)
     key = jax.random.key(0)
     results = []
     for rows, per_row in shapes:
@@ -78,7 +89,7 @@ def main(argv=None):
         state = jax.random.normal(keys[5], (rows, Hv, K, V), jnp.float32) * 0.1
         starts = jnp.arange(rows, dtype=jnp.int32) * per_row
         for name, rule in variants.items():
-            if name == "reference" and T > args.reference_limit:
+            if (name == "reference" and T > args.reference_limit) or (name.startswith("chunked") and per_row < CHUNK):
                 continue
             def chained(q, k, v, g, beta, state, rule=rule):  # each call starts from the last one's state
                 outs = []

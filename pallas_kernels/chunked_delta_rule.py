@@ -1,0 +1,214 @@
+"""The gated delta rule over long rows (prefill) in chunks of `CHUNK` tokens: products over a
+chunk's tokens in place of a walk over them one at a time, as `delta_rule_reference` computes
+it (same arguments and result, up to float rounding). The chunk-parallel part is jnp (batched
+products and one triangular solve, what XLA does well); the walk from chunk to chunk, which
+carries the state, is a Pallas kernel (Triton lowering on a GPU, interpret mode on CPU) with a
+`lax.scan` reference.
+
+Within a chunk (one value head; G the running sum of g from the chunk's start, S0 the state
+before it) each token writes u_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_{j<i} exp(G_i - G_j)
+(k_i . k_j) u_j) into the state: a unit lower-triangular system (I + A) U = beta V - diag(beta
+exp(G)) K S0, solved once per chunk for the terms that do not depend on S0 (`_ChunkTerms`: U =
+base - W S0). Then out = (Q exp(G)) S0 + tril(exp(G_i - G_j) q_i . k_j) U and the state after the
+chunk is exp(G_last) S0 + (K exp(G_last - G))^T U. Every exponent is <= 0. Padding tokens at a
+row's end carry g = beta = k = q = 0: they leave the state as it is.
+
+A chunk's tokens are summed in a different order than the one-at-a-time walk, so where a step
+must compute exactly what single steps compute (decode, verify) the runtime keeps the walk.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import is_pow2, runs_interpreted
+
+CHUNK = 64  # tokens a chunk solves at once (transformers' chunked form uses 64 too)
+BLOCK_V = 32  # value columns per program of the walk
+MIN_DOT = 16  # Triton's products need at least 16 along each dimension
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class _ChunkLayout(typing.NamedTuple):
+    """Where each row's tokens sit in chunks: row r holds chunks `first_R[r] .. last_R[r] - 1`,
+    chunk c holds tokens `token_NC[c]` (T where it has none) and chunk token i of token t is
+    `(chunk_T[t], offset_T[t])` for the tokens in a row (`in_row_T`)."""
+
+    token_NC: jax.Array
+    first_R: jax.Array
+    last_R: jax.Array
+    chunk_T: jax.Array
+    offset_T: jax.Array
+    in_row_T: jax.Array
+
+
+def _chunk_layout(starts_R, ends_R, num_tokens: int, chunk: int) -> _ChunkLayout:
+    """Rows cut into chunks from their first token; `num_tokens // chunk + rows` chunks hold any
+    rows of `num_tokens` tokens in all (each row wastes less than one)."""
+    num_rows = starts_R.shape[0]
+    num_chunks = num_tokens // chunk + num_rows
+    counts_R = (jnp.maximum(ends_R - starts_R, 0) + chunk - 1) // chunk
+    last_R = jnp.cumsum(counts_R)
+    first_R = last_R - counts_R
+    c_N = jnp.arange(num_chunks)
+    row_N = jnp.minimum(jnp.searchsorted(last_R, c_N, side="right"), num_rows - 1)
+    token_NC = starts_R[row_N, None] + (c_N - first_R[row_N])[:, None] * chunk + jnp.arange(chunk)[None, :]
+    real_NC = (c_N < last_R[-1])[:, None] & (token_NC < ends_R[row_N, None])
+    t_T = jnp.arange(num_tokens)
+    in_TR = (t_T[:, None] >= starts_R[None, :]) & (t_T[:, None] < ends_R[None, :])
+    row_T = jnp.argmax(in_TR, axis=1)
+    index_T = t_T - starts_R[row_T]
+    return _ChunkLayout(jnp.where(real_NC, token_NC, num_tokens), first_R, last_R,
+                        first_R[row_T] + index_T // chunk, index_T % chunk, jnp.any(in_TR, axis=1))
+
+
+class _ChunkTerms(typing.NamedTuple):
+    """Per chunk and value head, what the walk needs beside the state (float32): queries
+    scaled by exp(G) [N, H, C, K], W [N, H, C, K] and the base values [N, H, C, V] of U =
+    base - W S0, keys scaled by exp(G_last - G) [N, H, C, K], the causal query-key
+    weights tril(exp(G_i - G_j) q_i . k_j) [N, H, C, C] and the chunk's decay exp(G_last)
+    [N, H]."""
+
+    q_NHCK: jax.Array
+    w_NHCK: jax.Array
+    base_NHCV: jax.Array
+    k_NHCK: jax.Array
+    weights_NHCC: jax.Array
+    decay_NH: jax.Array
+
+
+def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC) -> _ChunkTerms:
+    repeat = v_THV.shape[1] // q_THK.shape[1]
+
+    def gather(x, repeats=1):  # [T, heads, ...] -> [N, H, C, ...], zeros at padding
+        x = jnp.take(x, token_NC, axis=0, mode="fill", fill_value=0)
+        return jnp.moveaxis(jnp.repeat(x, repeats, axis=2), 2, 1)
+
+    q, k = gather(q_THK, repeat), gather(k_THK, repeat)
+    v, g, beta = gather(v_THV), gather(g_TH), gather(beta_TH)
+    chunk = token_NC.shape[1]
+    cum_NHC = jnp.cumsum(g, axis=-1)
+    causal_CC = jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+    decay_NHCC = jnp.exp(jnp.where(causal_CC, cum_NHC[..., :, None] - cum_NHC[..., None, :], -jnp.inf))
+    strictly_CC = causal_CC & ~jnp.eye(chunk, dtype=bool)
+    kk_NHCC = jnp.einsum("nhik,nhjk->nhij", k, k, precision=_HIGHEST)
+    system_NHCC = jnp.eye(chunk) + jnp.where(strictly_CC, beta[..., None] * decay_NHCC * kk_NHCC, 0)
+    rhs = jnp.concatenate([(beta * jnp.exp(cum_NHC))[..., None] * k, beta[..., None] * v], axis=-1)
+    solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
+    w, base = jnp.split(solved, [k.shape[-1]], axis=-1)
+    qk_NHCC = jnp.einsum("nhik,nhjk->nhij", q, k, precision=_HIGHEST)
+    last_NH = cum_NHC[..., -1]
+    return _ChunkTerms(q * jnp.exp(cum_NHC)[..., None], w, base, k * jnp.exp(last_NH[..., None] - cum_NHC)[..., None],
+                       decay_NHCC * qk_NHCC, jnp.exp(last_NH))
+
+
+def _advance_chunk(s_KV, terms, dot):
+    """(the chunk's outputs [C, V], the state after it) from the state before it, for one
+    chunk and value head's terms (`_ChunkTerms` without their leading axes)."""
+    q_CK, w_CK, base_CV, k_CK, weights_CC, decay = terms
+    u_CV = base_CV - dot(w_CK, s_KV, ((1,), (0,)))
+    out_CV = dot(q_CK, s_KV, ((1,), (0,))) + dot(weights_CC, u_CV, ((1,), (0,)))
+    return out_CV, decay * s_KV + dot(k_CK, u_CV, ((0,), (0,)))
+
+
+def _dot(a, b, contracting):
+    return lax.dot_general(a, b, (contracting, ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R):
+    num_chunks, num_rows = terms.decay_NH.shape[0], state_RHKV.shape[0]
+    row_N = jnp.minimum(jnp.searchsorted(layout.last_R, jnp.arange(num_chunks), side="right"), num_rows - 1)
+    real_N = jnp.arange(num_chunks) < layout.last_R[-1]
+    advance = jax.vmap(functools.partial(_advance_chunk, dot=_dot))  # over value heads
+
+    def step(state_RHKV, chunk):
+        row, real, *terms_H = chunk
+        out_HCV, after_HKV = advance(state_RHKV[row], tuple(terms_H))
+        return state_RHKV.at[row].set(jnp.where(real, after_HKV, state_RHKV[row])), out_HCV
+
+    after_RHKV, out_NHCV = lax.scan(step, state_RHKV, (row_N, real_N, *terms))
+    return out_NHCV, jnp.where(commits_R[:, None, None, None], after_RHKV, state_RHKV)
+
+
+def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in_ref, first_ref, last_ref, commits_ref,
+                 out_ref, state_ref, *, block_v: int, write_out: bool):
+    row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(col_block * block_v, block_v)
+
+    def chunk(c, s_KV):
+        terms = (q_ref[c, head], w_ref[c, head], base_ref[c, head, :, cols], k_ref[c, head], weights_ref[c, head],
+                 decay_ref[c, head])
+        out_CV, s_KV = _advance_chunk(s_KV, terms, _dot)
+        if write_out:
+            out_ref[c, head, :, cols] = out_CV
+        return s_KV
+
+    s_KV = lax.fori_loop(first_ref[row], last_ref[row], chunk, state_in_ref[row, head, :, cols])
+
+    @pl.when(commits_ref[row] != 0)  # else the row's state stays as it came in (the output aliases it)
+    def _():
+        state_ref[row, head, :, cols] = s_KV
+
+
+def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R, *, outputs: bool, block_v: int,
+                 num_warps: int, interpret: bool):
+    R, H, K, V = state_RHKV.shape
+    num_chunks, _, chunk, _ = terms.q_NHCK.shape
+    return pl.pallas_call(
+        functools.partial(_walk_kernel, block_v=block_v, write_out=outputs),
+        out_shape=(jax.ShapeDtypeStruct((num_chunks, H, chunk, V), jnp.float32),
+                   jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
+        grid=(R, H, V // block_v),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        input_output_aliases={6: 1},
+        name="chunked_delta_rule_walk",
+    )(*terms, state_RHKV, layout.first_R.astype(jnp.int32), layout.last_R.astype(jnp.int32),
+      commits_R.astype(jnp.int32))
+
+
+def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk):
+    num_tokens = q_THK.shape[0]
+    layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk)
+    terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC)
+    commits_R = jnp.ones(starts_R.shape, bool) if commits_R is None else commits_R
+    out_NHCV, after_RHKV = walk(terms, state_RHKV, layout, commits_R)
+    if not outputs:
+        return jnp.zeros(v_THV.shape, jnp.float32), after_RHKV
+    out_THV = out_NHCV[layout.chunk_T, :, layout.offset_T]
+    return jnp.where(layout.in_row_T[:, None, None], out_THV, 0), after_RHKV
+
+
+def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
+                                 outputs: bool = True, commits_R=None, chunk: int = CHUNK):
+    """`delta_rule_reference` (same arguments and result, to float rounding) in chunks of
+    `chunk` tokens from each row's start, the walk over chunks a `lax.scan`."""
+    return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R,
+                    ends_R, outputs, commits_R, chunk)
+
+
+def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
+                              outputs: bool = True, commits_R=None, chunk: int = CHUNK, block_v: int = BLOCK_V,
+                              num_warps: int = 4, interpret: bool | None = None):
+    """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
+    per row, value head and `block_v` value columns). interpret: None runs compiled on a GPU
+    backend and in interpret mode elsewhere."""
+    K, V = q_THK.shape[-1], v_THV.shape[-1]
+    block_v = min(block_v, V)
+    interpret = runs_interpreted(interpret)
+    smallest = 1 if interpret else MIN_DOT
+    if not all(is_pow2(n) and n >= smallest for n in (K, block_v, chunk)) or V % block_v:
+        raise ValueError(f"the chunked delta-rule kernel needs a power-of-two key dim ({K}), chunk ({chunk}) and "
+                         f"value columns in power-of-two blocks ({V} by {block_v}), each >= {smallest} compiled; "
+                         "use chunked_delta_rule_reference.")
+    walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
+    return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R, ends_R,
+                    outputs, commits_R, chunk)
