@@ -342,12 +342,16 @@ def penalty_counts(counts_RV, seen_RV, inputs_RQ, verifying_R):
     return counts_RQV, seen_RV[:, None, :] | (counts_RQV > 0)
 
 
-def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig) -> tuple[DecodeState, Committed]:
+def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig,
+                      prefill_rows: str = "mixed") -> tuple[DecodeState, Committed]:
     """Target forward, verification, commit, next drafts: one cycle over `batch`.
 
     `models` is (target,) or (target, drafter). Rows whose `remaining_R` is 0 commit nothing;
     a verifying one leaves its slot's anchor alone, a prefill chunk makes its next prompt
-    token the anchor. Padding rows (slot S) write no state at all."""
+    token the anchor. Padding rows (slot S) write no state at all. `prefill_rows` (static):
+    "mixed" (any row may be a prefill chunk), "all" (every row is one) or "none" (every row
+    verifies): where a hybrid target's long prefill chunks may be, and whether the batch must
+    be asked at run time (`recurrent_state.rule_by_rows`)."""
     target = models[0]
     n = cfg.num_drafts
     num_rows, num_query = batch.verify_rows_RQ.shape
@@ -358,9 +362,12 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     known_kept_T = kept_tokens(batch, jnp.minimum(batch.remaining_R, 1)) if num_query == 1 else None
     # With drafts only the prefill chunks' states are final after the pass (`advanced_rows`)
     commits_R = None if num_query == 1 else ~batch.verifying_R
+    if prefill_rows not in ("mixed", "all", "none"):
+        raise ValueError(f"prefill_rows must be 'mixed', 'all' or 'none', got {prefill_rows!r}.")
+    prefill_R = None if prefill_rows == "none" else ~batch.verifying_R
     target_cache, logits, features, rule_passes = target_step(target, state.target_cache, batch.target,
                                                               cfg.layer_ids, cfg.kernels, rows_before, known_kept_T,
-                                                              commits_R, ~batch.verifying_R)
+                                                              commits_R, prefill_R, prefill_rows == "mixed")
     raw_logits_RQV = logits_RQV = logits.reshape(num_rows, num_query, -1)
     if cfg.penalizes:
         counts_RV, seen_RV = prefill_token_counts(state, batch)

@@ -317,7 +317,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
         sampling=sampling_rows,
     )
     with jax.named_scope("prefill"):
-        state, committed = speculative_cycle(models, state, prefill_batch, cfg)
+        state, committed = speculative_cycle(models, state, prefill_batch, cfg, prefill_rows="all")
     loop = _Loop(
         decode=state,
         tokens_RC=jnp.zeros((num_reqs, capacity), jnp.int32),
@@ -330,7 +330,7 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     def cycle(loop: _Loop) -> _Loop:
         remaining_R = jnp.where(loop.done_R, 0, max_new_tokens - loop.num_generated_R)
         batch = verify_batch(loop.decode, prefill.page_table, remaining_R, stop_ids_RE, sampling_rows, page_size)
-        decode, committed = speculative_cycle(models, loop.decode, batch, cfg)
+        decode, committed = speculative_cycle(models, loop.decode, batch, cfg, prefill_rows="none")
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 
     loop = jax.lax.while_loop(lambda loop: ~jnp.all(loop.done_R), cycle, loop)

@@ -106,11 +106,13 @@ def sharded_rule(inputs: RecurrentInputs, rule, reference, *, outputs: bool = Tr
 
 
 def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV, delta_RHKV, starts_R, ends_R,
-                 commits_R, prefill_R):
+                 commits_R, prefill_R, asks_for_chunks: bool = True):
     """(out, state) of the rule over each row's `[start, end)` (`delta_rule_reference`'s
     result): prefill rows (`prefill_R`, None: none) of at least `CHUNK` tokens in chunks,
     the others token by token, so that decode and verify rows compute exactly what single
-    steps compute. The chunked pass runs only in a batch that has such a row."""
+    steps compute. With `asks_for_chunks` the chunked pass runs only in a batch that has
+    such a row (a conditional, which the device runs inside a CUDA graph where the program's
+    options put conditionals there, and the host decides otherwise); without, always."""
     rule_inputs = (q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV)
     by_token = sharded_rule(inputs, kernels.delta_rule, delta_rule_reference)
     if prefill_R is None or q_THK.shape[0] < CHUNK:
@@ -126,6 +128,8 @@ def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV,
                                              commits_R=commits_R & chunked_R)
         return out_THV + chunk_out_THV, delta_RHKV
 
+    if not asks_for_chunks:
+        return chunked(delta_RHKV)
     return jax.lax.cond(jnp.any(chunked_R), chunked, lambda delta_RHKV: (out_THV, delta_RHKV), delta_RHKV)
 
 
@@ -145,13 +149,14 @@ def history_after(mixed_TC, history_RKC, starts_R, kept_R):
 
 
 def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
-                kernels: Kernels, commits_R=None, prefill_R=None) -> tuple[jax.Array, RulePass]:
+                kernels: Kernels, commits_R=None, prefill_R=None,
+                asks_for_chunks: bool = True) -> tuple[jax.Array, RulePass]:
     """(out [T, value heads, value dim] float32, the pass): each token t of batch row
     `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
     tokens) convolved and run through the rule from its row's state, which advances over
     those tokens in the rows `commits_R` (bool [R], None: all) and stays in the others; the
     other tokens' outputs are zeros. Long prefill rows (`prefill_R`) go in chunks
-    (`rule_by_rows`)."""
+    (`rule_by_rows`, with `asks_for_chunks`)."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
@@ -167,7 +172,7 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     v_THV = v_THV.astype(jnp.float32)
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     out_THV, delta_RHKV = rule_by_rows(inputs, kernels, q_THK, k_THK, v_THV, delta_RHKV.astype(jnp.float32), starts_R,
-                                       starts_R + kept_R, commits_R, prefill_R)
+                                       starts_R + kept_R, commits_R, prefill_R, asks_for_chunks)
     after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
     return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
 

@@ -51,14 +51,15 @@ class TargetBatch:
 
 def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_ids: tuple[int, ...],
                 kernels: Kernels, recurrent_rows: RecurrentState | None = None, advancing_T=None, commits_R=None,
-                prefill_R=None):
+                prefill_R=None, asks_for_chunks: bool = True):
     """(cache, logits [R * Q, V] float32, features [T, F], the gated-delta-net layers'
     `RulePass`es) for one batch, with the (resolved) `kernels`. A hybrid target's
     gated-delta-net layers run from `recurrent_rows`, each batch row's state before the batch,
     and advance it over `advancing_T` (a prefix of each row's tokens; None: every real token)
     in the rows `commits_R` (None: all), the others' states left as they were, long prefill
-    chunks (`prefill_R`) in chunks of tokens; the caller commits the states
-    (`recurrent_state.states_after`, or `advanced_rows` over the tokens kept)."""
+    chunks (`prefill_R`; `asks_for_chunks` as for `recurrent_state.rule_by_rows`) in chunks of
+    tokens; the caller commits the states (`recurrent_state.states_after`, or `advanced_rows`
+    over the tokens kept)."""
     seq_lens_R = _seq_lens(batch)
     passes = []
     cache_layers = {layer: i for i, layer in enumerate(target.cfg.kv_layers)}  # the cache holds attention layers
@@ -70,7 +71,8 @@ def target_step(target: Target, cache: PagedKVCache, batch: TargetBatch, layer_i
         if isinstance(heads, RecurrentInputs):
             j = len(passes)
             out_THV, rule_pass = ragged_rule(heads, recurrent_rows.history[j], recurrent_rows.delta[j], batch.rows,
-                                             batch.query_start_loc[:-1], advancing_T, kernels, commits_R, prefill_R)
+                                             batch.query_start_loc[:-1], advancing_T, kernels, commits_R, prefill_R,
+                                             asks_for_chunks)
             passes.append(rule_pass)
             return out_THV
         out_TUH, cache = attend_paged(target.mesh, cache, cache_layers[layer], heads, kernels, slots_T=batch.slots,
