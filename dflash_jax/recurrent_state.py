@@ -28,7 +28,7 @@ from dflash_jax.gated_delta_rule import RecurrentInputs, causal_conv_taps, prepa
 from dflash_jax.kernels import Kernels
 from dflash_jax.shard_layout import linear_attention_shards
 from dflash_jax.sharding import MODEL, per_shard
-from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_reference
+from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_reference, chunks_for
 from pallas_kernels.delta_rule import delta_rule_reference
 
 
@@ -121,7 +121,9 @@ def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV,
     commits_R = jnp.ones_like(chunked_R) if commits_R is None else commits_R
     out_THV, delta_RHKV = by_token(*rule_inputs, delta_RHKV, starts_R, jnp.where(chunked_R, starts_R, ends_R),
                                    commits_R=commits_R & ~chunked_R)
-    by_chunk = sharded_rule(inputs, kernels.chunked_delta_rule, chunked_delta_rule_reference)
+    num_chunks = chunks_for(q_THK.shape[0], starts_R.shape[0], min_row_tokens=CHUNK)
+    by_chunk = sharded_rule(inputs, functools.partial(kernels.chunked_delta_rule, num_chunks=num_chunks),
+                            functools.partial(chunked_delta_rule_reference, num_chunks=num_chunks))
 
     def chunked(delta_RHKV):
         chunk_out_THV, delta_RHKV = by_chunk(*rule_inputs, delta_RHKV, starts_R, jnp.where(chunked_R, ends_R, starts_R),

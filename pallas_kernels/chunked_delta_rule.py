@@ -15,6 +15,9 @@ row's end carry g = beta = k = q = 0: they leave the state as it is.
 
 A chunk's tokens are summed in a different order than the one-at-a-time walk, so where a step
 must compute exactly what single steps compute (decode, verify) the runtime keeps the walk.
+
+Shape letters here are the rule's own (as in `delta_rule.py`): H value heads, K key dim, V
+value dim; and N chunks, C a chunk's tokens.
 """
 
 from __future__ import annotations
@@ -50,11 +53,17 @@ class _ChunkLayout(typing.NamedTuple):
     in_row_T: jax.Array
 
 
-def _chunk_layout(starts_R, ends_R, num_tokens: int, chunk: int) -> _ChunkLayout:
-    """Rows cut into chunks from their first token; `num_tokens // chunk + rows` chunks hold any
-    rows of `num_tokens` tokens in all (each row wastes less than one)."""
+def chunks_for(num_tokens: int, num_rows: int, chunk: int = CHUNK, *, min_row_tokens: int = 1) -> int:
+    """Chunks that hold any `num_rows` rows of `num_tokens` tokens in all, each row of
+    `min_row_tokens` or more (or none): a row wastes less than one chunk, and rows of a chunk
+    or more take at most twice their tokens' worth."""
+    bound = num_tokens // chunk + num_rows
+    return min(bound, 2 * num_tokens // chunk) if min_row_tokens >= chunk else bound
+
+
+def _chunk_layout(starts_R, ends_R, num_tokens: int, chunk: int, num_chunks: int) -> _ChunkLayout:
+    """Rows cut into `num_chunks` chunks from their first token."""
     num_rows = starts_R.shape[0]
-    num_chunks = num_tokens // chunk + num_rows
     counts_R = (jnp.maximum(ends_R - starts_R, 0) + chunk - 1) // chunk
     last_R = jnp.cumsum(counts_R)
     first_R = last_R - counts_R
@@ -175,9 +184,11 @@ def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R
       commits_R.astype(jnp.int32))
 
 
-def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk):
+def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
+             num_chunks):
     num_tokens = q_THK.shape[0]
-    layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk)
+    num_chunks = chunks_for(num_tokens, starts_R.shape[0], chunk) if num_chunks is None else num_chunks
+    layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk, num_chunks)
     terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC)
     commits_R = jnp.ones(starts_R.shape, bool) if commits_R is None else commits_R
     out_NHCV, after_RHKV = walk(terms, state_RHKV, layout, commits_R)
@@ -188,16 +199,19 @@ def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, end
 
 
 def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
-                                 outputs: bool = True, commits_R=None, chunk: int = CHUNK):
+                                 outputs: bool = True, commits_R=None, chunk: int = CHUNK,
+                                 num_chunks: int | None = None):
     """`delta_rule_reference` (same arguments and result, to float rounding) in chunks of
-    `chunk` tokens from each row's start, the walk over chunks a `lax.scan`."""
+    `chunk` tokens from each row's start, the walk over chunks a `lax.scan`. `num_chunks`:
+    the chunks laid out, at least the rows' (None: `chunks_for` any rows)."""
     return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R,
-                    ends_R, outputs, commits_R, chunk)
+                    ends_R, outputs, commits_R, chunk, num_chunks)
 
 
 def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
-                              outputs: bool = True, commits_R=None, chunk: int = CHUNK, block_v: int = BLOCK_V,
-                              num_warps: int = 4, interpret: bool | None = None):
+                              outputs: bool = True, commits_R=None, chunk: int = CHUNK,
+                              num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = 4,
+                              interpret: bool | None = None):
     """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
     per row, value head and `block_v` value columns). interpret: None runs compiled on a GPU
     backend and in interpret mode elsewhere."""
@@ -211,4 +225,4 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
                          "use chunked_delta_rule_reference.")
     walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
     return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R, ends_R,
-                    outputs, commits_R, chunk)
+                    outputs, commits_R, chunk, num_chunks)

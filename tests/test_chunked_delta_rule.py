@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas, chunked_delta_rule_reference
+from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas, chunked_delta_rule_reference, chunks_for
 from pallas_kernels.delta_rule import delta_rule_reference
 from test_delta_rule_kernel import assert_equals_transformers, random_inputs
 
@@ -39,10 +39,23 @@ def test_chunks_compute_the_token_walk(rule):
     _, states_only = chunked(*inputs, starts, ends, chunk=8, outputs=False)
     np.testing.assert_array_equal(states_only, state)
     commits = jnp.array([True, False, True, False])  # rows 1 and 3: states back as they came in
-    kept_out, some = chunked(*inputs, starts, ends, chunk=8, commits_R=commits)
+    kept_out, some = chunked(*inputs, starts, ends, chunk=8, commits_R=commits, num_chunks=5)  # the rows' chunks
     np.testing.assert_array_equal(kept_out, out)
     np.testing.assert_array_equal(np.asarray(some)[[1, 3]], np.asarray(inputs[5])[[1, 3]])
     np.testing.assert_array_equal(np.asarray(some)[[0, 2]], np.asarray(state)[[0, 2]])
+
+
+def test_chunks_for_holds_any_rows():
+    """The chunks laid out hold every row's: rows of any length, and (the runtime's tighter
+    bound) rows of a chunk or more, whose count it exceeds at some lengths."""
+    rng = np.random.default_rng(4)
+    for _ in range(500):
+        chunk = int(rng.choice([8, 64]))
+        short, long = rng.integers(0, 3 * chunk, size=rng.integers(1, 9)), rng.integers(chunk, 3 * chunk, size=3)
+        for lengths, least in ((short, 1), (long[: rng.integers(1, 4)], chunk)):
+            needed = sum(-(-int(n) // chunk) for n in lengths)
+            assert needed <= chunks_for(int(lengths.sum()), len(lengths), chunk, min_row_tokens=least)
+    assert chunks_for(640, 32, 64, min_row_tokens=64) == 20 < chunks_for(640, 32, 64) == 42
 
 
 def test_strong_decays_stay_finite():
