@@ -247,6 +247,20 @@ def rel_err(ours, ref) -> float:
     return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def triton_calls_for_cuda(kernel, *arrays) -> int:
+    """Triton calls in `kernel(*arrays)` lowered for a CUDA GPU from this host, no GPU needed:
+    Pallas accepting every load, product and loop of its kernels (Triton's own compile and the
+    results are the GPU tests' to check). Arrays may be `jax.ShapeDtypeStruct`s."""
+    import jax
+    from jax import export
+
+    target = "__gpu$xla.gpu.triton"
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    lowered = export.export(jax.jit(kernel), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*shapes)
+    return lowered.mlir_module().count(f"custom_call @{target}")
+
+
 @pytest.fixture
 def tmp_models(tmp_path):
     return tmp_path

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas, chunked_delta_rule_reference, chunks_for
-from pallas_kernels.delta_rule import delta_rule_reference
+from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 from test_delta_rule_kernel import assert_equals_transformers, random_inputs
 
 # rows as (start, end) for chunks of 8: short, one chunk exactly, empty, three chunks with a
@@ -75,6 +75,19 @@ def test_equals_transformers_chunked_form():
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     assert_equals_transformers(chunked_delta_rule_reference, torch_chunk_gated_delta_rule, 100)
+
+
+@pytest.mark.parametrize("kernel", [delta_rule_pallas, chunked_delta_rule_pallas], ids=["walk", "chunked"])
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_kernels_lower_to_triton_for_a_gpu_from_any_host(kernel, block_v):
+    """At Qwen3.5-9B's heads each kernel lowers for CUDA to one Triton call (conftest's
+    `triton_calls_for_cuda`)."""
+    from conftest import triton_calls_for_cuda
+
+    T, R, Hk, Hv, K, V = 1024, 4, 16, 32, 128, 128
+    shapes = [(T, Hk, K), (T, Hk, K), (T, Hv, V), (T, Hv), (T, Hv), (R, Hv, K, V)]
+    arrays = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes] + [jax.ShapeDtypeStruct((R,), jnp.int32)] * 2
+    assert triton_calls_for_cuda(lambda *a: kernel(*a, block_v=block_v, interpret=False), *arrays) == 1
 
 
 @pytest.mark.gpu

@@ -109,6 +109,17 @@ def test_fused_heads_keep_greedy_tokens(tmp_path):
     assert results["pallas"][0] == results["pallas"][2]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype):
+    """Qwen3-8B's heads (32 query, 8 kv, 128 wide) at 300 tokens."""
+    from conftest import triton_calls_for_cuda
+
+    qkv, cos, sin, q_weight, k_weight, eps, *rest = inputs(32, 8, 128, dtype, qk_norm=True, num_tokens=300,
+                                                           num_slots=512)
+    kernel = lambda *a: finish_heads_pallas(*a[:5], eps, *a[5:], num_heads=32, interpret=False)  # noqa: E731
+    assert triton_calls_for_cuda(kernel, qkv, cos, sin, q_weight, k_weight, *rest) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -317,6 +317,31 @@ def test_bad_inputs_are_value_errors():
 # GPU: the compiled (Triton) kernel against the reference at Qwen3-8B attention shapes.
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("heads", ["qwen3-8b", "qwen3_5-9b", "gpt-oss-20b"])
+@pytest.mark.parametrize("kv_splits", [1, 16])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(heads, kv_splits):
+    """A 17-row verify block over 32k keys with each model's heads (query heads, kv heads, head
+    dim; gpt-oss: a 128-key window and sinks) lowers for CUDA to one Triton call (the splits'
+    merge is XLA's)."""
+    from conftest import triton_calls_for_cuda
+
+    num_heads, num_kv_heads, head_dim, rule = {
+        "qwen3-8b": (32, 8, 128, CAUSAL), "qwen3_5-9b": (16, 4, 256, CAUSAL),
+        "gpt-oss-20b": (64, 8, 64, LayerAttention(True, 128))}[heads]
+    T, page_size, pages = 17, 16, 2048
+    S = jax.ShapeDtypeStruct
+    arrays = [S((T, num_heads, head_dim), jnp.bfloat16), S((T,), jnp.int32), S((T,), jnp.int32),
+              S((pages * page_size, num_kv_heads, head_dim), jnp.bfloat16),
+              S((pages * page_size, num_kv_heads, head_dim), jnp.bfloat16), S((1, pages), jnp.int32), S((1,), jnp.int32)]
+    sinks = [S((num_heads,), jnp.float32)] if heads == "gpt-oss-20b" else []
+
+    def kernel(*a):
+        return paged_attention_pallas(*a[:7], page_size=page_size, rule=rule, kv_splits=kv_splits, interpret=False,
+                                      sinks_U=a[7] if sinks else None)
+
+    assert triton_calls_for_cuda(kernel, *arrays, *sinks) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),), (("kv_splits", 16),)],

@@ -95,6 +95,21 @@ def every_code(weights):
     return values, np.isfinite(np.asarray(values.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype,block_in", [("int8", None), ("int8", 128), ("float8_e4m3fn", 128)])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, block_in, transposed):
+    """Qwen3-8B's gate and up product (4096 -> 2 x 12288) at 1 and 64 rows."""
+    from conftest import triton_calls_for_cuda
+
+    K, N = 4096, 24576
+    values = jax.ShapeDtypeStruct((N, K) if transposed else (K, N), dtype)
+    scales = jax.ShapeDtypeStruct((K // (block_in or K), N), jnp.float32)
+    for rows in (1, 64):
+        x = jax.ShapeDtypeStruct((rows, K), jnp.bfloat16)
+        kernel = lambda *a: quantized_matmul_pallas(*a, block_in, transposed=transposed, interpret=False)  # noqa: E731
+        assert triton_calls_for_cuda(kernel, x, values, scales) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("transposed", [False, True])

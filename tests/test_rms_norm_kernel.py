@@ -67,6 +67,14 @@ def test_gradients_and_vmap_match_the_reference():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype):
+    from conftest import triton_calls_for_cuda
+
+    x, delta, weight = inputs((300, 4096), dtype)
+    assert triton_calls_for_cuda(lambda *a: add_rms_norm_pallas(*a, EPS, interpret=False), x, delta, weight) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
