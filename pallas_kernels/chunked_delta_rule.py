@@ -213,16 +213,18 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
                               num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = 4,
                               interpret: bool | None = None):
     """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
-    per row, value head and `block_v` value columns). interpret: None runs compiled on a GPU
-    backend and in interpret mode elsewhere."""
+    per row, value head and `block_v` value columns). Compiled, a key dim, chunk or value block
+    under 16 (Triton's smallest product) takes the reference walk. interpret: None runs
+    compiled on a GPU backend and in interpret mode elsewhere."""
     K, V = q_THK.shape[-1], v_THV.shape[-1]
     block_v = min(block_v, V)
-    interpret = runs_interpreted(interpret)
-    smallest = 1 if interpret else MIN_DOT
-    if not all(is_pow2(n) and n >= smallest for n in (K, block_v, chunk)) or V % block_v:
+    if not all(is_pow2(n) for n in (K, block_v, chunk)) or V % block_v:
         raise ValueError(f"the chunked delta-rule kernel needs a power-of-two key dim ({K}), chunk ({chunk}) and "
-                         f"value columns in power-of-two blocks ({V} by {block_v}), each >= {smallest} compiled; "
-                         "use chunked_delta_rule_reference.")
+                         f"value columns in power-of-two blocks ({V} by {block_v}); use chunked_delta_rule_reference.")
+    interpret = runs_interpreted(interpret)
+    if not interpret and min(K, block_v, chunk) < MIN_DOT:
+        return chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R,
+                                            outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks)
     walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
     return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R, ends_R,
                     outputs, commits_R, chunk, num_chunks)

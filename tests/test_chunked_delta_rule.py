@@ -90,6 +90,16 @@ def test_kernels_lower_to_triton_for_a_gpu_from_any_host(kernel, block_v):
     assert triton_calls_for_cuda(lambda *a: kernel(*a, block_v=block_v, interpret=False), *arrays) == 1
 
 
+def test_heads_too_small_for_triton_products_take_the_reference_walk():
+    """A tiny model's value heads of 8 (blocks under Triton's 16-wide products): compiled for
+    CUDA, the chunked form runs its reference walk, no kernel."""
+    from conftest import triton_calls_for_cuda
+
+    inputs = random_inputs(np.random.default_rng(0), T=80, R=1, dv=8)
+    kernel = lambda *a: chunked_delta_rule_pallas(*a, interpret=False)  # noqa: E731
+    assert triton_calls_for_cuda(kernel, *inputs, jnp.array([0]), jnp.array([80])) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("block_v", [32, 64])

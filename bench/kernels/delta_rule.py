@@ -8,7 +8,8 @@ and prefill (one row of many tokens) shapes.
 `--variants u1,u4v8w1` adds the kernel with other settings: tokens per run (whose inputs load
 together), value columns per program (more programs, less state each) and warps.
 `--chunked v32w4,v64w8` times the chunked form (`chunked_delta_rule_pallas`, what prefill rows
-of at least its chunk take) with those value columns and warps, at rows of a chunk or more.
+of at least its chunk take) with those value columns and warps, at rows of a chunk or more,
+beside its jnp form (`chunked_reference`, what a CPU runs).
 Each sample times a jitted chain of --chain calls, each starting from the state the one before
 left, so one dispatch serves them all. Reports us per call and, for the kernel, the state's bytes read and written over the time
 (each call reads and writes every row's [value heads, key dim, value dim] float32 state once).
@@ -40,7 +41,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from dflash_jax.config import parse_config
-    from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_pallas
+    from pallas_kernels.chunked_delta_rule import CHUNK, chunked_delta_rule_pallas, chunked_delta_rule_reference
     from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -67,7 +68,8 @@ def main(argv=None):
     if args.small:
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
-    variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference}
+    variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference,
+                "chunked_reference": chunked_delta_rule_reference}
     for variant in filter(None, args.variants.split(",")):
         variants[f"pallas_{variant}"] = functools.partial(delta_rule_pallas, interpret=interpret,
                                                           **kernel_settings(variant))
@@ -106,9 +108,9 @@ def main(argv=None):
                                 state_TBps=2 * state.nbytes / seconds / 1e12))
             print(json.dumps(results[-1]), flush=True)
     record.write(dict(heads=dict(key=Hk, value=Hv, key_dim=K, value_dim=V), timings=results))
-    print(f"\n{'rows':>5} {'tokens':>7} {'variant':<14} {'us':>10} {'state TB/s':>10}")
+    print(f"\n{'rows':>5} {'tokens':>7} {'variant':<18} {'us':>10} {'state TB/s':>10}")
     for r in results:
-        print(f"{r['rows']:>5} {r['tokens_per_row']:>7} {r['variant']:<14} {r['us']:10.1f} {r['state_TBps']:10.2f}")
+        print(f"{r['rows']:>5} {r['tokens_per_row']:>7} {r['variant']:<18} {r['us']:10.1f} {r['state_TBps']:10.2f}")
 
 
 if __name__ == "__main__":
