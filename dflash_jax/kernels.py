@@ -124,7 +124,7 @@ class Kernels:
 
     @property
     def chunked_delta_rule(self):
-        """`delta_rule_reference`'s signature, in chunks of tokens (prefill rows)."""
+        """`delta_rule_reference`'s signature (and `num_chunks`), in chunks of tokens: prefill rows."""
         return chunked_delta_rule_pallas if self._chosen("recurrence") == "pallas" else chunked_delta_rule_reference
 
     def paged_attention(self, q_req_T, *, num_rows: int, num_kv_heads: int, group: int, dtype):

@@ -41,13 +41,16 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 class _ChunkLayout(typing.NamedTuple):
-    """Where each row's tokens sit in chunks: row r holds chunks `first_R[r] .. last_R[r] - 1`,
-    chunk c holds tokens `token_NC[c]` (T where it has none) and chunk token i of token t is
-    `(chunk_T[t], offset_T[t])` for the tokens in a row (`in_row_T`)."""
+    """Where each row's tokens sit in chunks: row r holds chunks `[chunk_starts_R[r],
+    chunk_ends_R[r])`; chunk c belongs to row `row_N[c]` where `real_N[c]` (the chunks past the
+    last row's are unused) and holds tokens `token_NC[c]` (T where it has none); token t is
+    token `offset_T[t]` of chunk `chunk_T[t]` where it is in a row (`in_row_T`)."""
 
     token_NC: jax.Array
-    first_R: jax.Array
-    last_R: jax.Array
+    row_N: jax.Array
+    real_N: jax.Array
+    chunk_starts_R: jax.Array
+    chunk_ends_R: jax.Array
     chunk_T: jax.Array
     offset_T: jax.Array
     in_row_T: jax.Array
@@ -62,21 +65,23 @@ def chunks_for(num_tokens: int, num_rows: int, chunk: int = CHUNK, *, min_row_to
 
 
 def _chunk_layout(starts_R, ends_R, num_tokens: int, chunk: int, num_chunks: int) -> _ChunkLayout:
-    """Rows cut into `num_chunks` chunks from their first token."""
+    """Each row's tokens `[starts_R[r], ends_R[r])` cut into chunks of `chunk` from its first
+    token, the rows' chunks one after another in `num_chunks` (at least all of theirs)."""
     num_rows = starts_R.shape[0]
     counts_R = (jnp.maximum(ends_R - starts_R, 0) + chunk - 1) // chunk
-    last_R = jnp.cumsum(counts_R)
-    first_R = last_R - counts_R
+    chunk_ends_R = jnp.cumsum(counts_R)
+    chunk_starts_R = chunk_ends_R - counts_R
     c_N = jnp.arange(num_chunks)
-    row_N = jnp.minimum(jnp.searchsorted(last_R, c_N, side="right"), num_rows - 1)
-    token_NC = starts_R[row_N, None] + (c_N - first_R[row_N])[:, None] * chunk + jnp.arange(chunk)[None, :]
-    real_NC = (c_N < last_R[-1])[:, None] & (token_NC < ends_R[row_N, None])
+    row_N = jnp.minimum(jnp.searchsorted(chunk_ends_R, c_N, side="right"), num_rows - 1)
+    real_N = c_N < chunk_ends_R[-1]
+    token_NC = starts_R[row_N, None] + (c_N - chunk_starts_R[row_N])[:, None] * chunk + jnp.arange(chunk)[None, :]
+    token_NC = jnp.where(real_N[:, None] & (token_NC < ends_R[row_N, None]), token_NC, num_tokens)
     t_T = jnp.arange(num_tokens)
     in_TR = (t_T[:, None] >= starts_R[None, :]) & (t_T[:, None] < ends_R[None, :])
     row_T = jnp.argmax(in_TR, axis=1)
     index_T = t_T - starts_R[row_T]
-    return _ChunkLayout(jnp.where(real_NC, token_NC, num_tokens), first_R, last_R,
-                        first_R[row_T] + index_T // chunk, index_T % chunk, jnp.any(in_TR, axis=1))
+    return _ChunkLayout(token_NC, row_N, real_N, chunk_starts_R, chunk_ends_R, chunk_starts_R[row_T] + index_T // chunk,
+                        index_T % chunk, jnp.any(in_TR, axis=1))
 
 
 class _ChunkTerms(typing.NamedTuple):
@@ -95,28 +100,32 @@ class _ChunkTerms(typing.NamedTuple):
 
 
 def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC) -> _ChunkTerms:
+    """Every chunk's terms at once (batched products and solves, no dependence between
+    chunks): the part of the rule that does not need the state."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
 
     def gather(x, repeats=1):  # [T, heads, ...] -> [N, H, C, ...], zeros at padding
         x = jnp.take(x, token_NC, axis=0, mode="fill", fill_value=0)
         return jnp.moveaxis(jnp.repeat(x, repeats, axis=2), 2, 1)
 
-    q, k = gather(q_THK, repeat), gather(k_THK, repeat)
-    v, g, beta = gather(v_THV), gather(g_TH), gather(beta_TH)
+    q_NHCK, k_NHCK = gather(q_THK, repeat), gather(k_THK, repeat)
+    v_NHCV, g_NHC, beta_NHC = gather(v_THV), gather(g_TH), gather(beta_TH)
     chunk = token_NC.shape[1]
-    cum_NHC = jnp.cumsum(g, axis=-1)
+    cum_NHC = jnp.cumsum(g_NHC, axis=-1)
     causal_CC = jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+    # exp(G_i - G_j) where j <= i; above the diagonal the exponent would be positive: masked first
     decay_NHCC = jnp.exp(jnp.where(causal_CC, cum_NHC[..., :, None] - cum_NHC[..., None, :], -jnp.inf))
     strictly_CC = causal_CC & ~jnp.eye(chunk, dtype=bool)
-    kk_NHCC = jnp.einsum("nhik,nhjk->nhij", k, k, precision=_HIGHEST)
-    system_NHCC = jnp.eye(chunk) + jnp.where(strictly_CC, beta[..., None] * decay_NHCC * kk_NHCC, 0)
-    rhs = jnp.concatenate([(beta * jnp.exp(cum_NHC))[..., None] * k, beta[..., None] * v], axis=-1)
+    kk_NHCC = jnp.einsum("nhik,nhjk->nhij", k_NHCK, k_NHCK, precision=_HIGHEST)
+    system_NHCC = jnp.eye(chunk) + jnp.where(strictly_CC, beta_NHC[..., None] * decay_NHCC * kk_NHCC, 0)
+    rhs = jnp.concatenate([(beta_NHC * jnp.exp(cum_NHC))[..., None] * k_NHCK, beta_NHC[..., None] * v_NHCV], axis=-1)
     solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
-    w, base = jnp.split(solved, [k.shape[-1]], axis=-1)
-    qk_NHCC = jnp.einsum("nhik,nhjk->nhij", q, k, precision=_HIGHEST)
+    w_NHCK, base_NHCV = jnp.split(solved, [k_NHCK.shape[-1]], axis=-1)
+    qk_NHCC = jnp.einsum("nhik,nhjk->nhij", q_NHCK, k_NHCK, precision=_HIGHEST)
     last_NH = cum_NHC[..., -1]
-    return _ChunkTerms(q * jnp.exp(cum_NHC)[..., None], w, base, k * jnp.exp(last_NH[..., None] - cum_NHC)[..., None],
-                       decay_NHCC * qk_NHCC, jnp.exp(last_NH))
+    return _ChunkTerms(q_NHCK * jnp.exp(cum_NHC)[..., None], w_NHCK, base_NHCV,
+                       k_NHCK * jnp.exp(last_NH[..., None] - cum_NHC)[..., None], decay_NHCC * qk_NHCC,
+                       jnp.exp(last_NH))
 
 
 def _advance_chunk(s_KV, terms, dot):
@@ -129,13 +138,13 @@ def _advance_chunk(s_KV, terms, dot):
 
 
 def _dot(a, b, contracting):
+    """A float32 product at full precision (Triton's IEEE mode on a GPU: no TF32)."""
     return lax.dot_general(a, b, (contracting, ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R):
-    num_chunks, num_rows = terms.decay_NH.shape[0], state_RHKV.shape[0]
-    row_N = jnp.minimum(jnp.searchsorted(layout.last_R, jnp.arange(num_chunks), side="right"), num_rows - 1)
-    real_N = jnp.arange(num_chunks) < layout.last_R[-1]
+    """(outputs [N, H, C, V], states): the chunks one after another, each advancing its row's
+    state (the kernel's walk as a `lax.scan`)."""
     advance = jax.vmap(functools.partial(_advance_chunk, dot=_dot))  # over value heads
 
     def step(state_RHKV, chunk):
@@ -143,12 +152,12 @@ def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commit
         out_HCV, after_HKV = advance(state_RHKV[row], tuple(terms_H))
         return state_RHKV.at[row].set(jnp.where(real, after_HKV, state_RHKV[row])), out_HCV
 
-    after_RHKV, out_NHCV = lax.scan(step, state_RHKV, (row_N, real_N, *terms))
+    after_RHKV, out_NHCV = lax.scan(step, state_RHKV, (layout.row_N, layout.real_N, *terms))
     return out_NHCV, jnp.where(commits_R[:, None, None, None], after_RHKV, state_RHKV)
 
 
-def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in_ref, first_ref, last_ref, commits_ref,
-                 out_ref, state_ref, *, block_v: int, write_out: bool):
+def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in_ref, chunk_starts_ref, chunk_ends_ref,
+                 commits_ref, out_ref, state_ref, *, block_v: int, write_out: bool):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(col_block * block_v, block_v)
 
@@ -160,7 +169,7 @@ def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in
             out_ref[c, head, :, cols] = out_CV
         return s_KV
 
-    s_KV = lax.fori_loop(first_ref[row], last_ref[row], chunk, state_in_ref[row, head, :, cols])
+    s_KV = lax.fori_loop(chunk_starts_ref[row], chunk_ends_ref[row], chunk, state_in_ref[row, head, :, cols])
 
     @pl.when(commits_ref[row] != 0)  # else the row's state stays as it came in (the output aliases it)
     def _():
@@ -180,7 +189,7 @@ def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         input_output_aliases={6: 1},
         name="chunked_delta_rule_walk",
-    )(*terms, state_RHKV, layout.first_R.astype(jnp.int32), layout.last_R.astype(jnp.int32),
+    )(*terms, state_RHKV, layout.chunk_starts_R.astype(jnp.int32), layout.chunk_ends_R.astype(jnp.int32),
       commits_R.astype(jnp.int32))
 
 

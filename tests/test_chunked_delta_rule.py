@@ -23,12 +23,16 @@ def row_bounds(rows):
     return tuple(jnp.asarray(x, jnp.int32) for x in zip(*rows))
 
 
+@pytest.mark.parametrize("decay", ["fast", "slow"])
 @pytest.mark.parametrize("rule", ["reference", "pallas-16", "pallas-64"])
-def test_chunks_compute_the_token_walk(rule):
-    """The kernel with 16 value columns a program (4 programs a head) and 64 (one)."""
+def test_chunks_compute_the_token_walk(rule, decay):
+    """The kernel with 16 value columns a program (4 programs a head) and 64 (one); decays
+    of ~0.8 a token, and of ~0.01 (the state carried into a chunk then shows throughout it)."""
     chunked = chunked_delta_rule_reference if rule == "reference" else (
         lambda *a, **kw: chunked_delta_rule_pallas(*a, **kw, block_v=int(rule[7:]), interpret=True))
     inputs = random_inputs(np.random.default_rng(0), T=40, R=len(ROWS))
+    if decay == "slow":
+        inputs[3] = inputs[3] * 0.01
     starts, ends = row_bounds(ROWS)
     want_out, want_state = delta_rule_reference(*inputs, starts, ends)
     out, state = chunked(*inputs, starts, ends, chunk=8)

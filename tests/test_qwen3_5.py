@@ -242,29 +242,44 @@ def slow_decay(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recurrence", ["reference", "pallas"])
-def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_decay, recurrence):
-    """A 100-token prompt prefilled as one row (no prefix caching, which would cut it at its
-    last full page) goes through the rule in chunks of 64 and 36 (the Pallas walk in interpret
-    mode here), then decodes token by token: each generated token's log-probability equals
-    transformers' over the same sequence, and the tokens equal a 16-token prefill's (every row
-    walked token by token)."""
+def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_decay, decoding_pair, recurrence,
+                                                                        monkeypatch):
+    """A 100-token prompt arrives while another request verifies drafts: one step holds its
+    whole prompt as one row (no prefix caching, which would cut it at its last full page),
+    which goes through the rule in chunks of 64 and 36 (the Pallas walk in interpret mode
+    here), beside a verify row whose state that pass leaves alone. Each generated token's
+    log-probability, both requests', equals transformers' over the same sequence, and the
+    tokens equal an Engine's with 16-token steps (every row walked token by token)."""
+    import dflash_jax.kernels
+    from dflash_jax.step_program import clear_compiled_programs
+
     hf, target = slow_decay
-    prompt = np.random.default_rng(11).integers(0, 95, 100).tolist()
-    params = dflash_jax.SamplingParams(max_new_tokens=6, logprobs=0)
+    prompts = [[5, 17, 33, 2, 8, 41, 7], np.random.default_rng(11).integers(0, 95, 100).tolist()]
+    params = dflash_jax.SamplingParams(max_new_tokens=8, logprobs=0)
+    name = f"chunked_delta_rule_{recurrence}"
+    chunked, calls = getattr(dflash_jax.kernels, name), []
+    monkeypatch.setattr(dflash_jax.kernels, name, lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
+    clear_compiled_programs()  # trace afresh: the calls counted are this test's
 
     def run(max_num_tokens):
-        engine = dflash_jax.Engine(target, None, max_num_reqs=1, max_num_tokens=max_num_tokens,
-                                   prefix_caching=False, kernels=dflash_jax.Kernels(recurrence=recurrence))
-        request, logprobs = engine.add_request(prompt, params), []
+        engine = dflash_jax.Engine(target, decoding_pair[2], max_num_reqs=2, max_num_tokens=max_num_tokens,
+                                   block_size=4, prefix_caching=False,
+                                   kernels=dflash_jax.Kernels(recurrence=recurrence))
+        ids, logprobs = [engine.add_request(prompts[0], params)], {}
         while engine.has_unfinished():
-            logprobs += [t.logprob for out in engine.step() for t in out.logprobs]
-        return engine.output(request), logprobs
+            if len(ids) == 1 and engine.output(ids[0]):  # the first request is decoding: the long one joins
+                ids.append(engine.add_request(prompts[1], params))
+            for out in engine.step():
+                logprobs.setdefault(out.request_id, []).extend(t.logprob for t in out.logprobs)
+        return [engine.output(i) for i in ids], [logprobs[i] for i in ids]
 
     tokens, logprobs = run(128)
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens])).logits[0].double()
-    want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    np.testing.assert_allclose(logprobs, want.numpy(), rtol=0, atol=2e-5)
+    assert calls  # the long row took the chunked form
+    for prompt, generated, got in zip(prompts, tokens, logprobs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + generated])).logits[0].double()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(generated)[:, None])[:, 0]
+        np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-5)
     assert run(16)[0] == tokens
 
 
