@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2
+from pallas_kernels.common import next_pow2, runs_interpreted
 
 IMPLS = ("auto", "pallas", "triton", "reference")
 
@@ -471,13 +471,13 @@ def _check_inputs(cfg, impl, arrays):
 
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "parallel_drafting_token_id", "num_speculative_steps", "max_num_reqs",
-    "max_num_tokens", "max_model_len", "cp_size", "cp_interleave", "pad_slot_id", "impl"))
+    "max_num_tokens", "max_model_len", "cp_size", "cp_interleave", "pad_slot_id", "impl", "interpret"))
 def prepare_dflash_inputs(target_positions, target_query_start_loc, idx_mapping,
                           last_sampled, next_prefill_tokens, num_sampled, num_rejected,
                           temperature, seeds, block_table, *, block_size,
                           parallel_drafting_token_id, num_speculative_steps, max_num_reqs,
                           max_num_tokens, max_model_len, cp_rank=0, cp_size=1,
-                          cp_interleave=1, pad_slot_id=-1, impl="auto"):
+                          cp_interleave=1, pad_slot_id=-1, impl="auto", interpret=None):
     """Lays out the draft step's query, context and sample rows; see the module docstring.
 
     Integer inputs are int32 (temperature float32). ``cp_rank`` may be traced (e.g.
@@ -488,7 +488,8 @@ def prepare_dflash_inputs(target_positions, target_query_start_loc, idx_mapping,
 
     impl: "pallas" (Triton lowering on GPU, interpret mode elsewhere), "triton" (native
     Triton through jax-triton, GPU only), "reference" (vectorised jnp), or "auto"
-    (pallas on GPU and CPU, the reference on other backends).
+    (pallas on GPU and CPU, the reference on other backends). interpret (pallas): None runs
+    compiled on a GPU backend and in interpret mode elsewhere.
     """
     i32 = jnp.int32
     arrays = dict(
@@ -524,4 +525,4 @@ def prepare_dflash_inputs(target_positions, target_query_start_loc, idx_mapping,
     kernel_inputs.append(cp_rank.reshape(1))
     if impl == "triton":
         return _triton_layout(cfg, *kernel_inputs)
-    return _pallas_layout(cfg, *kernel_inputs, interpret=backend != "gpu")
+    return _pallas_layout(cfg, *kernel_inputs, interpret=runs_interpreted(interpret))

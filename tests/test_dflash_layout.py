@@ -416,6 +416,21 @@ def test_triton_without_gpu_jax_says_how_to_install():
 # GPU: the Triton-lowered Pallas kernel and the jax-triton kernel against the reference.
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("num_reqs", [1, 256])
+def test_pallas_kernel_lowers_to_triton_for_a_gpu_from_any_host(num_reqs):
+    from conftest import triton_calls_for_cuda
+
+    sizes = Sizes(256, 15, 16, 64, 256 * 16 + 64, 2048, extra_query_rows=64)
+    batch = random_batch(np.random.default_rng(0), sizes, num_reqs)
+    names = list(batch)
+
+    def layout(*arrays):
+        return prepare_dflash_inputs(**dict(zip(names, arrays)), **sizes.static_kwargs(), impl="pallas",
+                                     interpret=False)
+
+    assert triton_calls_for_cuda(layout, *(np.asarray(batch[name]) for name in names)) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("impl", ["pallas", "triton"])

@@ -71,6 +71,27 @@ def test_kernel_computes_its_reference(tiling, dtype):
     assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()  # unused tiles: zeros
 
 
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("matrix", ["gate_up", "down"])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix):
+    """Qwen3-30B-A3B's experts (128, top 8; gate and up [2048, 1536], down [768, 2048]) at one
+    token (a tile per pair) and 16 (pairs grouped by expert) lower for CUDA to one Triton call."""
+    from conftest import triton_calls_for_cuda
+
+    E, top_k = 128, 8
+    K, N = {"gate_up": (2048, 1536), "down": (768, 2048)}[matrix]
+
+    def kernel(x_TK, ids_P, weights_EKN):
+        P = ids_P.shape[0]
+        tiles = expert_tiles(ids_P, E, tile_rows(P, E), top_k)
+        x_GMK = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)  # empty rows: zeros
+        return grouped_matmul_pallas(x_GMK, weights_EKN, tiles, top_k=top_k, interpret=False)
+
+    arrays = [jax.ShapeDtypeStruct((tokens, K), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * top_k,), jnp.int32),
+              jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)]
+    assert triton_calls_for_cuda(kernel, *arrays) == 1
+
+
 def test_a_tiling_that_does_not_divide_is_refused():
     tiles = expert_tiles(jnp.zeros(2, jnp.int32), 2, 16, 1)
     with pytest.raises(ValueError, match="does not divide"):
