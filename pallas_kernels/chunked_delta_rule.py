@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import is_pow2, runs_interpreted
+from pallas_kernels.delta_rule import token_rows
 
 CHUNK = 64  # tokens a chunk solves at once (transformers' chunked form uses 64 too)
 BLOCK_V = 32  # value columns per program of the walk
@@ -76,12 +77,10 @@ def _chunk_layout(starts_R, ends_R, num_tokens: int, chunk: int, num_chunks: int
     real_N = c_N < chunk_ends_R[-1]
     token_NC = starts_R[row_N, None] + (c_N - chunk_starts_R[row_N])[:, None] * chunk + jnp.arange(chunk)[None, :]
     token_NC = jnp.where(real_N[:, None] & (token_NC < ends_R[row_N, None]), token_NC, num_tokens)
-    t_T = jnp.arange(num_tokens)
-    in_TR = (t_T[:, None] >= starts_R[None, :]) & (t_T[:, None] < ends_R[None, :])
-    row_T = jnp.argmax(in_TR, axis=1)
-    index_T = t_T - starts_R[row_T]
+    row_T, in_row_T = token_rows(starts_R, ends_R, num_tokens)
+    index_T = jnp.arange(num_tokens) - starts_R[row_T]
     return _ChunkLayout(token_NC, row_N, real_N, chunk_starts_R, chunk_ends_R, chunk_starts_R[row_T] + index_T // chunk,
-                        index_T % chunk, jnp.any(in_TR, axis=1))
+                        index_T % chunk, in_row_T)
 
 
 class _ChunkTerms(typing.NamedTuple):
@@ -200,7 +199,7 @@ def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, end
     layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk, num_chunks)
     terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC)
     commits_R = jnp.ones(starts_R.shape, bool) if commits_R is None else commits_R
-    out_NHCV, after_RHKV = walk(terms, state_RHKV, layout, commits_R)
+    out_NHCV, after_RHKV = walk(terms, state_RHKV.astype(jnp.float32), layout, commits_R)
     if not outputs:
         return jnp.zeros(v_THV.shape, jnp.float32), after_RHKV
     out_THV = out_NHCV[layout.chunk_T, :, layout.offset_T]
@@ -213,8 +212,8 @@ def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV,
     """`delta_rule_reference` (same arguments and result, to float rounding) in chunks of
     `chunk` tokens from each row's start, the walk over chunks a `lax.scan`. `num_chunks`:
     the chunks laid out, at least the rows' (None: `chunks_for` any rows)."""
-    return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R,
-                    ends_R, outputs, commits_R, chunk, num_chunks)
+    return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs,
+                    commits_R, chunk, num_chunks)
 
 
 def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
@@ -235,5 +234,5 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
         return chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R,
                                             outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks)
     walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
-    return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV.astype(jnp.float32), starts_R, ends_R,
-                    outputs, commits_R, chunk, num_chunks)
+    return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
+                    num_chunks)

@@ -33,7 +33,7 @@ UNROLL = 4  # tokens a program loads at once: a verify row's loads wait on memor
 UNROLL_MAX_PROGRAMS = 512  # past ~4 programs an SM, others hide a program's waits, and runs only add registers
 
 
-def _token_rows(starts_R, ends_R, num_tokens: int):
+def token_rows(starts_R, ends_R, num_tokens: int):
     """(row [T], in a row [T]) of each token given the rows' [start, end) ranges."""
     t_T = jnp.arange(num_tokens)[:, None]
     in_TR = (t_T >= starts_R[None, :]) & (t_T < ends_R[None, :])
@@ -51,7 +51,7 @@ def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_
     back as it went in (a caller that will advance them over fewer tokens)."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
     q_THK, k_THK = (jnp.repeat(x, repeat, axis=1) for x in (q_THK, k_THK))
-    row_T, in_row_T = _token_rows(starts_R, ends_R, q_THK.shape[0])
+    row_T, in_row_T = token_rows(starts_R, ends_R, q_THK.shape[0])
 
     def step(state_RHKV, token):
         q_HK, k_HK, v_HV, g_H, beta_H, row, in_row = token
@@ -130,5 +130,5 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
     )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), commits_R)
     if not outputs:
         return jnp.zeros_like(out), state
-    _, in_row_T = _token_rows(starts_R, ends_R, T)
+    _, in_row_T = token_rows(starts_R, ends_R, T)
     return jnp.where(in_row_T[:, None, None], out, 0), state
