@@ -8,7 +8,7 @@ import functools
 import gc
 
 from bench.decode.points import PAGE_SIZE, pages_per_request
-from bench.harness import time_calls
+from bench.harness import after, time_calls
 from pallas_kernels.common import next_pow2
 
 
@@ -16,9 +16,9 @@ def device_loop(graphs, states, part, carry, inputs, *, iters: int, reps: int, u
     """Median seconds per call of `part(models, carry, inputs) -> (carry, outputs)` in one
     jitted loop of `iters` calls, and the first call's seconds (compile included).
 
-    The carry (a KV cache) is donated and threaded through the calls; each call's inputs pass
-    an optimisation barrier together with the previous call's outputs, so no call can be
-    hoisted, merged or dropped, and outputs stay live. Models are merged inside the jit from
+    The carry (a KV cache) is donated and threaded through the calls; each call's inputs
+    depend on the previous call's outputs (`harness.after`), so no call can be hoisted, merged
+    or dropped. Models are merged inside the jit from
     (graphdefs, states): their weights are arguments, not constants.
     """
     import jax
@@ -37,8 +37,7 @@ def device_loop(graphs, states, part, carry, inputs, *, iters: int, reps: int, u
 
         def body(_, state):
             carry, outputs = state
-            inputs_i = lax.optimization_barrier((inputs, outputs))[0]
-            return part(models, carry, inputs_i)
+            return part(models, carry, after(inputs, outputs))
 
         init = (carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape))
         return lax.fori_loop(0, iters, body, init, unroll=unroll)

@@ -162,10 +162,7 @@ def time_impl(fn, batch, reps, chain=50):
     @jax.jit
     def chained(args):
         def body(i, layout):
-            # The barrier ties each call's inputs to the previous call's outputs: calls run
-            # one after another (no hoisting, no fusing of independent copies), and
-            # carrying the layout keeps every output alive.
-            return fn(lax.optimization_barrier((args, layout))[0])
+            return fn(harness.after(args, layout))  # in order, none of them dead
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, args))
         return lax.fori_loop(0, chain, body, init, unroll=True)
 

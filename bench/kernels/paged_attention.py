@@ -8,9 +8,9 @@ another model's heads with --model), batch 1 / 8 / 32 (--batches) x context 1k /
 
 Each point checks the kernel against the reference (max abs error, bf16 both) and then
 times, per call, the median over --reps runs of a jitted chain of --chain calls (after a
-warm-up): inside one program, so host dispatch is out of it; an optimisation barrier ties
-each call's query to the previous call's output, so calls run one after another and none
-is dead. The calls cycle through enough K/V cache copies (at least --min-cache-mb in all)
+warm-up): inside one program, so host dispatch is out of it; each call's query depends on
+the previous call's output (`harness.after`), so calls run one after another and none is
+dead. The calls cycle through enough K/V cache copies (at least --min-cache-mb in all)
 that L2 (50 MB on an H200) does not hold the keys between calls, as in a real model where
 every layer has its own cache.
 
@@ -30,7 +30,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from bench import harness
 from bench.shapes import MODELS, SMALL
@@ -52,10 +51,11 @@ COPY_BYTES_PER_S = 4.24e12   # H200 device copy, read + write counted (ENVIRONME
 CAUSAL = LayerAttention(True)
 
 
-def shapes(small, model="qwen3-8b"):
-    """(num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query rows)."""
-    target = SMALL if small else MODELS[model].target
-    heads = (target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"], 16)
+def shapes(small, model="qwen3-8b", side="target"):
+    """(num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query rows) of `model`'s
+    target or drafter (`side`)."""
+    config = SMALL if small else getattr(MODELS[model], side)
+    heads = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"], 16)
     if small:
         return *heads, (1, 2), (64, 128), (1, 4)
     return *heads, (1, 8, 32), (1024, 8192), (1, 16)
@@ -107,8 +107,7 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
         out = q
         for i in range(chain):
             k, v = caches[i % len(caches)]
-            q_i = lax.optimization_barrier((q, out))[0]
-            out = fn(q_i, pos, req, k, v, table, lens, **extra)
+            out = fn(harness.after(q, out), pos, req, k, v, table, lens, **extra)
         return out
 
     args = (point["q"], point["q_pos"], point["q_req"], tuple(copies), point["table"],
@@ -120,19 +119,19 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
 SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
 SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
     dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
-# Batch-1 long-context settings (--contexts): key chunk x splits x warps, for heads whose
-# tiles crowd a program's registers (head_dim 256).
-LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w)
-                            for k in (32, 64, 128) for s in (8, 32) for w in (4, 8))
+# Batch-1 long-context settings (--contexts): key chunk x splits x warps x loads one chunk
+# ahead, for programs that wait on their loads (few programs over long rows).
+LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w, prefetch=p)
+                            for k in (32, 64, 128) for s in (16, 32) for w in (4, 8) for p in (False, True))
 
 
-def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None):
+def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, side="target"):
     """Kernel settings (block_k x kv_splits x num_stages) at the decode / verify points that
     dominate a cycle, with `model`'s heads; with `contexts`, the batch-1 decode and verify
     points at those contexts over `LONG_SWEEP_SETTINGS` instead. The query blocks are cut once
     per chain, as the runtime cuts them once per step, so each call times the kernel (and the
     split epilogue) alone."""
-    num_heads, num_kv_heads, head_dim, page_size = shapes(False, model)[:4]
+    num_heads, num_kv_heads, head_dim, page_size = shapes(False, model, side)[:4]
     group_pad = 1 << math.ceil(math.log2(num_heads // num_kv_heads))
     points, settings_list = SWEEP_POINTS, SWEEP_SETTINGS
     if contexts:
@@ -179,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--kv-splits", default="auto",
                         help="'auto' (the runtime's default_kv_splits), or a power of two for pallas_split")
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS), help="whose attention heads")
+    parser.add_argument("--side", default="target", choices=("target", "drafter"),
+                        help="the model's target heads or its drafter's (timed with the causal rule)")
     parser.add_argument("--contexts", default=None, help="contexts to time, comma separated (default 1024,8192); "
                         "with --sweep, batch-1 long-context settings at these contexts")
     parser.add_argument("--batches", default=None, help="batches to time, comma separated (default 1,8,32)")
@@ -191,19 +192,19 @@ def main(argv=None):
     min_cache_bytes = int((args.min_cache_mb or (0 if small else 256)) * 2**20)
     record = harness.Record(__spec__.name, args, argv, packages=("triton",))
     print(json.dumps(record.env), flush=True)
-    num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small, args.model)
+    num_heads, num_kv_heads, head_dim, page_size, batches, contexts, query_rows = shapes(small, args.model, args.side)
     contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else contexts
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else batches
     rng = np.random.default_rng(0)
     if args.sweep:
         rows = sweep(rng, reps, chain, min_cache_bytes, args.model,
-                     tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None)
+                     tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None, args.side)
         record.write(dict(reps=reps, chain=chain, model=args.model, sweep=rows))
         for r in rows:
             settings = (f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
-                        f"warps={r.get('num_warps', 'auto')}")
+                        f"warps={r.get('num_warps', 'auto')}{' prefetch' if r.get('prefetch') else ''}")
             timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
-            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<32} {timing}")
+            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<41} {timing}")
         return 0
     results = []
     for rows in query_rows:

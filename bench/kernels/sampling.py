@@ -18,7 +18,6 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from bench import harness
 from bench.shapes import QWEN3_8B, SMALL
@@ -31,8 +30,7 @@ def time_chain(fn, logits, reps, chain):
     def chained(x):
         out = jnp.zeros((), jnp.float32)
         for _ in range(chain):
-            x = lax.optimization_barrier((x, out))[0]
-            out = out + fn(x).astype(jnp.float32).sum()
+            out = out + fn(harness.after(x, out)).astype(jnp.float32).sum()
         return out
 
     return harness.time_calls(lambda: chained(logits), reps=reps, warmup=2, calls_per_sample=chain).median_s

@@ -4,7 +4,7 @@
 # the Pallas rule), the same steps at 1x1k with the jnp reference rule, the rule alone
 # (bench.kernels.delta_rule, with the kernel settings in VARIANTS), and with PARTS naming them:
 # `profile` (device events per iteration at the first of POINTS) and `sweep` (the attention
-# kernel's settings at 32k with the model's heads).
+# kernel's settings at 32k with the target's and the drafter's heads, SIDES).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
 #                                               # PARTS (tests,steps,reference,kernel; also profile,sweep),
@@ -44,10 +44,16 @@ if [[ $parts == *profile* ]]; then
     grep -E "^- (gated|paged|memcpy)|^\| 1x" "$out/hybrid-profile.log"
 fi
 if [[ $parts == *sweep* ]]; then
-    echo "== attention settings at long context"
-    timeout 240 python3 -m bench.kernels.paged_attention --sweep --model "$(big qwen3_5-9b small)" \
-        --contexts "$(big 32768 64)" $(big "" "--reps 1 --chain 1 --min-cache-mb 0") --out "$out/attention_sweep.json" \
-        > "$out/attention_sweep.log" 2>&1
-    echo "   rc=$?"; grep -E "^B1" "$out/attention_sweep.log" | sort -k9 -n | head -n 12
+    for side in ${SIDES:-target drafter}; do
+        echo "== attention settings at long context, the $side's heads (fastest first)"
+        timeout ${SWEEP_LIMIT:-240} python3 -m bench.kernels.paged_attention --sweep --model "$(big qwen3_5-9b small)" \
+            --side "$side" --contexts "$(big 32768 64)" $(big "" "--reps 1 --chain 1 --min-cache-mb 0") \
+            --out "$out/attention_sweep_$side.json" > "$out/attention_sweep_$side.log" 2>&1
+        echo "   rc=$?"
+        for rows in q1 q16; do
+            grep -E "^B1 .* $rows " "$out/attention_sweep_$side.log" | sed -E 's/^(.*) ([0-9.]+) us (.*)$/\2 \1/' \
+                | sort -n | head -n 5
+        done
+    done
 fi
 python3 -m bench.decode.summary "$out"
