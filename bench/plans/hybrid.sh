@@ -18,8 +18,8 @@ blocks=${BLOCKS:-16,8}
 shape=$(big qwen3_5-9b small-qwen3_5)
 if [[ $parts == *tests* ]]; then
     echo "== gpu tests"
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_delta_rule_kernel.py \
-        tests/test_chunked_delta_rule.py \
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_delta_rule_kernel.py \
+        tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py \
         > "$out/gpu_tests.log" 2>&1
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
