@@ -36,6 +36,8 @@ from pallas_kernels.delta_rule import token_rows
 
 CHUNK = 64  # tokens a chunk solves at once (transformers' chunked form uses 64 too)
 BLOCK_V = 32  # value columns per program of the walk
+NUM_WARPS = 8  # at 4 the walk's tiles spill (bench/results)
+SOLVE = "triangular"
 MIN_DOT = 16  # Triton's products need at least 16 along each dimension
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -98,9 +100,24 @@ class _ChunkTerms(typing.NamedTuple):
     decay_NH: jax.Array
 
 
-def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC) -> _ChunkTerms:
+def _unit_lower_inverse(system_NHCC):
+    """The inverse of unit lower-triangular matrices I + L by products alone: L is nilpotent,
+    so (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... up to L^(C/2), log2(C) squarings and as many
+    products (batched matrix products run near a GPU's peak; batched triangular solves do not)."""
+    chunk = system_NHCC.shape[-1]
+    eye = jnp.eye(chunk, dtype=system_NHCC.dtype)
+    power = eye - system_NHCC  # -L
+    inverse = eye + power
+    for _ in range(chunk.bit_length() - 2):  # powers 2, 4, ..., C/2
+        power = jnp.einsum("nhij,nhjk->nhik", power, power, precision=_HIGHEST)
+        inverse = inverse + jnp.einsum("nhij,nhjk->nhik", inverse, power, precision=_HIGHEST)
+    return inverse
+
+
+def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC, solve: str) -> _ChunkTerms:
     """Every chunk's terms at once (batched products and solves, no dependence between
-    chunks): the part of the rule that does not need the state."""
+    chunks): the part of the rule that does not need the state. solve: "triangular" (XLA's
+    batched triangular solve) or "products" (`_unit_lower_inverse`)."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
 
     def gather(x, repeats=1):  # [T, heads, ...] -> [N, H, C, ...], zeros at padding
@@ -118,7 +135,10 @@ def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC) -> _ChunkTerms:
     kk_NHCC = jnp.einsum("nhik,nhjk->nhij", k_NHCK, k_NHCK, precision=_HIGHEST)
     system_NHCC = jnp.eye(chunk) + jnp.where(strictly_CC, beta_NHC[..., None] * decay_NHCC * kk_NHCC, 0)
     rhs = jnp.concatenate([(beta_NHC * jnp.exp(cum_NHC))[..., None] * k_NHCK, beta_NHC[..., None] * v_NHCV], axis=-1)
-    solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
+    if solve == "triangular":
+        solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
+    else:
+        solved = jnp.einsum("nhij,nhjd->nhid", _unit_lower_inverse(system_NHCC), rhs, precision=_HIGHEST)
     w_NHCK, base_NHCV = jnp.split(solved, [k_NHCK.shape[-1]], axis=-1)
     qk_NHCC = jnp.einsum("nhik,nhjk->nhij", q_NHCK, k_NHCK, precision=_HIGHEST)
     last_NH = cum_NHC[..., -1]
@@ -193,11 +213,11 @@ def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R
 
 
 def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
-             num_chunks):
+             num_chunks, solve):
     num_tokens = q_THK.shape[0]
     num_chunks = chunks_for(num_tokens, starts_R.shape[0], chunk) if num_chunks is None else num_chunks
     layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk, num_chunks)
-    terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC)
+    terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC, solve)
     commits_R = jnp.ones(starts_R.shape, bool) if commits_R is None else commits_R
     out_NHCV, after_RHKV = walk(terms, state_RHKV.astype(jnp.float32), layout, commits_R)
     if not outputs:
@@ -208,18 +228,19 @@ def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, end
 
 def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
                                  outputs: bool = True, commits_R=None, chunk: int = CHUNK,
-                                 num_chunks: int | None = None):
+                                 num_chunks: int | None = None, solve: str = SOLVE):
     """`delta_rule_reference` (same arguments and result, to float rounding) in chunks of
     `chunk` tokens from each row's start, the walk over chunks a `lax.scan`. `num_chunks`:
-    the chunks laid out, at least the rows' (None: `chunks_for` any rows)."""
+    the chunks laid out, at least the rows' (None: `chunks_for` any rows); `solve`, how the
+    chunks' triangular systems are solved (`_chunk_terms`)."""
     return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs,
-                    commits_R, chunk, num_chunks)
+                    commits_R, chunk, num_chunks, solve)
 
 
 def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
                               outputs: bool = True, commits_R=None, chunk: int = CHUNK,
-                              num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = 4,
-                              interpret: bool | None = None):
+                              num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
+                              solve: str = SOLVE, interpret: bool | None = None):
     """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
     per row, value head and `block_v` value columns). Compiled, a key dim, chunk or value block
     under 16 (Triton's smallest product) takes the reference walk. interpret: None runs
@@ -232,7 +253,8 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
     interpret = runs_interpreted(interpret)
     if not interpret and min(K, block_v, chunk) < MIN_DOT:
         return chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R,
-                                            outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks)
+                                            outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks,
+                                            solve=solve)
     walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
     return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
-                    num_chunks)
+                    num_chunks, solve)

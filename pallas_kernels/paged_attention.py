@@ -127,16 +127,17 @@ def max_query_blocks(num_tokens: int, num_rows: int, block_q: int) -> int:
 
 def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads: int) -> int:
     """Key splits for a step of `num_tokens` queries over `num_rows` requests: enough that
-    query blocks x splits reach ~256 programs over the kv heads (~32 per kv head at 8 kv
-    heads, 64 at 4: about two per H200 SM), at most 128 / kv heads splits (one query block's
-    programs about one per SM); 1 once the blocks fill the GPU alone (prefill, big batches).
+    query blocks x splits reach ~256 programs over the kv heads (about two per H200 SM), at
+    most 32; 1 once the blocks fill the GPU alone (prefill, big batches). The blocks are
+    counted as the larger of `num_tokens / block_q` and the rows (a batch-1 verify block is
+    one), not the bound `max_query_blocks` that sizes the grid.
 
     Each program walks its chunks one dependent load after another (page id, then K/V), so
-    a few programs over long rows are latency-bound: a batch-1 decode step over long context
-    unsplit leaves most of the GPU idle (bench/results). Splits past a row's real length exit
-    at once."""
-    per_head, most = 256 // num_kv_heads, max(1, 128 // num_kv_heads)
-    return max(1, min(most, per_head // next_pow2(max_query_blocks(num_tokens, num_rows, block_q))))
+    a few programs over long rows are latency-bound: a batch-1 step over long context with
+    ~128 programs leaves half the GPU's load slots idle (bench/results). Splits past a row's
+    real length exit at once."""
+    blocks = next_pow2(min(num_tokens, max(-(-num_tokens // block_q), num_rows)))
+    return max(1, min(32, 256 // num_kv_heads // blocks))
 
 
 def default_block_k(block_rows: int) -> int:

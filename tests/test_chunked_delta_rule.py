@@ -24,11 +24,13 @@ def row_bounds(rows):
 
 
 @pytest.mark.parametrize("decay", ["fast", "slow"])
-@pytest.mark.parametrize("rule", ["reference", "pallas-16", "pallas-64"])
+@pytest.mark.parametrize("rule", ["reference", "reference-products", "pallas-16", "pallas-64"])
 def test_chunks_compute_the_token_walk(rule, decay):
-    """The kernel with 16 value columns a program (4 programs a head) and 64 (one); decays
-    of ~0.8 a token, and of ~0.01 (the state carried into a chunk then shows throughout it)."""
+    """The kernel with 16 value columns a program (4 programs a head) and 64 (one); the
+    chunks' systems solved by products; decays of ~0.8 a token, and of ~0.01 (the state
+    carried into a chunk then shows throughout it)."""
     chunked = chunked_delta_rule_reference if rule == "reference" else (
+        lambda *a, **kw: chunked_delta_rule_reference(*a, **kw, solve="products")) if rule == "reference-products" else (
         lambda *a, **kw: chunked_delta_rule_pallas(*a, **kw, block_v=int(rule[7:]), interpret=True))
     inputs = random_inputs(np.random.default_rng(0), T=40, R=len(ROWS))
     if decay == "slow":
@@ -106,8 +108,8 @@ def test_heads_too_small_for_triton_products_take_the_reference_walk():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("block_v", [32, 64])
-def test_gpu_compiled_kernel_matches_the_token_walk(block_v):
+@pytest.mark.parametrize("block_v, solve", [(32, "triangular"), (64, "triangular"), (32, "products")])
+def test_gpu_compiled_kernel_matches_the_token_walk(block_v, solve):
     """Qwen3.5-9B's linear-attention heads: 16 key heads, 32 value heads of 128; rows of 1,
     299 and 700 tokens and an empty one, in chunks of 64."""
     rows = ((0, 1), (1, 300), (300, 300), (300, 1000))
@@ -115,7 +117,7 @@ def test_gpu_compiled_kernel_matches_the_token_walk(block_v):
     inputs = random_inputs(np.random.default_rng(0), T=1024, R=len(rows), Hk=16, Hv=32, dk=128, dv=128)
     with jax.default_matmul_precision("highest"):
         want_out, want_state = delta_rule_reference(*inputs, starts, ends)
-    got_out, got_state = chunked_delta_rule_pallas(*inputs, starts, ends, block_v=block_v, interpret=False)
+    got_out, got_state = chunked_delta_rule_pallas(*inputs, starts, ends, block_v=block_v, solve=solve, interpret=False)
     np.testing.assert_allclose(got_out, want_out, rtol=5e-4, atol=5e-4)
     np.testing.assert_allclose(got_state, want_state, rtol=5e-4, atol=5e-4)
     commits = jnp.array([True, False, True, False])

@@ -255,16 +255,16 @@ def test_prefill_chunk_with_verify_rows_and_padding(dtype):
 
 
 @pytest.mark.parametrize("num_tokens, num_rows, kv_heads, want", [
-    (1, 1, 8, 16),      # batch-1 decode: 8 programs alone would each walk every chunk
-    (16, 1, 8, 16),     # batch-1 verify block
-    (8, 8, 8, 4),       # batch-8 decode
-    (128, 8, 8, 2),     # batch-8 verify
+    (1, 1, 8, 32),      # batch-1 decode: 8 programs alone would each walk every chunk
+    (16, 1, 8, 32),     # batch-1 verify block: one query block
+    (8, 8, 8, 4),       # batch-8 decode: a block a row
+    (128, 8, 8, 4),     # batch-8 verify
     (32, 32, 8, 1),     # batch-32 decode fills the GPU without splits
     (2048, 1, 8, 1),    # a prefill chunk
-    (1, 1, 4, 32),      # Qwen3.5-9B's 4 kv heads: twice the splits for as many programs
+    (1, 1, 4, 32),      # Qwen3.5-9B's 4 kv heads: at most 32 splits
     (16, 1, 4, 32),
     (8, 8, 4, 8),
-    (1, 1, 2, 64),
+    (1, 1, 2, 32),
 ])
 def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, kv_heads, want):
     block_q = default_block_q(num_tokens, num_rows, group=4)

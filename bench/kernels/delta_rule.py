@@ -26,12 +26,14 @@ from bench.shapes import MODELS
 
 
 def kernel_settings(variant: str) -> dict:
-    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u)."""
-    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?", variant)
+    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u; a
+    final "p" solves the chunks' systems by products)."""
+    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?(p)?", variant)
     if not match or not variant:
-        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>.")
+        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>[p].")
     names = ("unroll", "block_v", "num_warps")
-    return {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
+    settings = {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
+    return settings | (dict(solve="products") if match.group(4) else {})
 
 
 def main(argv=None):
@@ -69,7 +71,8 @@ def main(argv=None):
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
     variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference,
-                "chunked_reference": chunked_delta_rule_reference}
+                "chunked_reference": chunked_delta_rule_reference,
+                "chunked_reference_p": functools.partial(chunked_delta_rule_reference, solve="products")}
     for variant in filter(None, args.variants.split(",")):
         variants[f"pallas_{variant}"] = functools.partial(delta_rule_pallas, interpret=interpret,
                                                           **kernel_settings(variant))
@@ -94,10 +97,11 @@ def main(argv=None):
             if (name == "reference" and T > args.reference_limit) or (name.startswith("chunked") and per_row < CHUNK):
                 continue
             def chained(q, k, v, g, beta, state, rule=rule):  # each call starts from the last one's state
-                outs = []
-                for _ in range(args.chain):
-                    out, state = rule(q, k, v, g, beta, state, starts, starts + per_row)
+                outs = [q]
+                for _ in range(args.chain):  # and its queries depend on the last one's outputs (no terms shared)
+                    out, state = rule(harness.after(q, outs[-1]), k, v, g, beta, state, starts, starts + per_row)
                     outs.append(out)
+                outs = outs[1:]
                 return sum(outs), state
 
             call = jax.jit(chained)

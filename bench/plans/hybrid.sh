@@ -9,7 +9,8 @@
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
 #                                               # PARTS (tests,steps,reference,kernel; also profile,sweep),
 #                                               # LIMIT (s, the steps), VARIANTS (u1,u4v8w1,...),
-#                                               # CHUNKED (the chunked form's v<cols>w<warps>,...)
+#                                               # CHUNKED (the chunked form's v<cols>w<warps>[p],...),
+#                                               # SHAPES (the rule's rows x tokens), TESTS (test files)
 #   OUT=/tmp/h SMALL=1 bash bench/plans/hybrid.sh HEAD  # CPU smoke test
 source "$(dirname "$0")/common.sh"
 parts=${PARTS:-tests,steps,reference,kernel}
@@ -18,8 +19,8 @@ blocks=${BLOCKS:-16,8}
 shape=$(big qwen3_5-9b small-qwen3_5)
 if [[ $parts == *tests* ]]; then
     echo "== gpu tests"
-    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_delta_rule_kernel.py \
-        tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py \
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        ${TESTS:-tests/test_delta_rule_kernel.py tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py} \
         > "$out/gpu_tests.log" 2>&1
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
@@ -34,7 +35,7 @@ fi
 if [[ $parts == *kernel* ]]; then
     echo "== delta-rule kernel"
     timeout 200 python3 -m bench.kernels.delta_rule $small --reps 10 --variants "${VARIANTS:-u1,u4v16w2,u4v8w1}" \
-        --chunked "${CHUNKED:-v32w4,v64w4,v32w8}" \
+        --chunked "${CHUNKED:-v32w8,v32w8p,v64w8}" ${SHAPES:+--shapes $SHAPES} \
         --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
