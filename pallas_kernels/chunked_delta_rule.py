@@ -156,9 +156,13 @@ def _advance_chunk(s_KV, terms, dot):
     return out_CV, decay * s_KV + dot(k_CK, u_CV, ((0,), (0,)))
 
 
-def _dot(a, b, contracting):
+def _dot(a, b, contracting, precision=_HIGHEST):
     """A float32 product at full precision (Triton's IEEE mode on a GPU: no TF32)."""
-    return lax.dot_general(a, b, (contracting, ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (contracting, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+# Three TF32 tensor-core products that sum to a float32 one's accuracy (GPU only; CPUs refuse it)
+_dot_tf32x3 = functools.partial(_dot, precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
 
 
 def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R):
@@ -176,14 +180,14 @@ def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commit
 
 
 def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in_ref, chunk_starts_ref, chunk_ends_ref,
-                 commits_ref, out_ref, state_ref, *, block_v: int, write_out: bool):
+                 commits_ref, out_ref, state_ref, *, block_v: int, write_out: bool, dot):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(col_block * block_v, block_v)
 
     def chunk(c, s_KV):
         terms = (q_ref[c, head], w_ref[c, head], base_ref[c, head, :, cols], k_ref[c, head], weights_ref[c, head],
                  decay_ref[c, head])
-        out_CV, s_KV = _advance_chunk(s_KV, terms, _dot)
+        out_CV, s_KV = _advance_chunk(s_KV, terms, dot)
         if write_out:
             out_ref[c, head, :, cols] = out_CV
         return s_KV
@@ -196,11 +200,12 @@ def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in
 
 
 def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R, *, outputs: bool, block_v: int,
-                 num_warps: int, interpret: bool):
+                 num_warps: int, tf32x3: bool, interpret: bool):
     R, H, K, V = state_RHKV.shape
     num_chunks, _, chunk, _ = terms.q_NHCK.shape
     return pl.pallas_call(
-        functools.partial(_walk_kernel, block_v=block_v, write_out=outputs),
+        functools.partial(_walk_kernel, block_v=block_v, write_out=outputs,
+                          dot=_dot_tf32x3 if tf32x3 and not interpret else _dot),
         out_shape=(jax.ShapeDtypeStruct((num_chunks, H, chunk, V), jnp.float32),
                    jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
         grid=(R, H, V // block_v),
@@ -240,11 +245,12 @@ def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV,
 def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
                               outputs: bool = True, commits_R=None, chunk: int = CHUNK,
                               num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                              solve: str = SOLVE, interpret: bool | None = None):
+                              solve: str = SOLVE, tf32x3: bool = False, interpret: bool | None = None):
     """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
     per row, value head and `block_v` value columns). Compiled, a key dim, chunk or value block
     under 16 (Triton's smallest product) takes the reference walk. interpret: None runs
-    compiled on a GPU backend and in interpret mode elsewhere."""
+    compiled on a GPU backend and in interpret mode elsewhere. tf32x3: the walk's products as
+    three TF32 tensor-core products each (compiled only)."""
     K, V = q_THK.shape[-1], v_THV.shape[-1]
     block_v = min(block_v, V)
     if not all(is_pow2(n) for n in (K, block_v, chunk)) or V % block_v:
@@ -255,6 +261,7 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
         return chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R,
                                             outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks,
                                             solve=solve)
-    walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
+    walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, tf32x3=tf32x3,
+                             interpret=interpret)
     return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
                     num_chunks, solve)

@@ -92,7 +92,6 @@ class _Config:
     num_programs: int
     f32: bool            # inputs are float32: IEEE dots
     sinks: bool = False  # a logit per query head in the softmax's denominator (gpt-oss)
-    prefetch: bool = False  # load the next chunk's keys before this chunk's products
 
     @property
     def group(self):
@@ -219,12 +218,12 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
         num_chunks = jnp.maximum((hi + chunk - 1) // chunk - first_chunk, 0)
         trips = jnp.maximum(num_chunks - split + splits - 1, 0) // splits
 
-        def load_chunk(j, live=True):
+        def load_chunk(j):
             """Chunk j's key positions, which of them exist, and its K and V tiles."""
             key_pos = (first_chunk + split + j * splits) * chunk + key_in_chunk  # [chunk]
             page_index = jnp.minimum(key_pos // page, cfg.table_width - 1)
             page_id = plgpu.load(table_ref.at[req * cfg.table_width + page_index])
-            key_ok = (key_pos < seq_len) & live
+            key_ok = key_pos < seq_len
             kv_row = jnp.where(key_ok, (page_id * page + key_pos % page) * K + kv_head, 0)
             k = plgpu.load(k_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
             v = plgpu.load(v_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
@@ -247,19 +246,7 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
 
         init = (jnp.full((M,), _NEG_INIT, jnp.float32), jnp.zeros((M,), jnp.float32),
                 jnp.zeros((M, H), jnp.float32))
-        if cfg.prefetch:
-            # Chunk j + 1's loads are issued before chunk j's products, so a program has a
-            # chunk's bytes in flight while it computes instead of waiting on each load.
-            def one_chunk(j, carry):
-                state, (key_pos, key_ok, k, v) = carry
-                ahead = load_chunk(j + 1, live=j + 1 < trips)
-                return attend(state, key_pos, key_ok, k, v), ahead
-
-            max_M, sum_M, acc_MH = lax.fori_loop(0, trips, one_chunk,
-                                                 (init, load_chunk(0, live=trips > 0)))[0]
-        else:
-            max_M, sum_M, acc_MH = lax.fori_loop(
-                0, trips, lambda j, state: attend(state, *load_chunk(j)), init)
+        max_M, sum_M, acc_MH = lax.fori_loop(0, trips, lambda j, state: attend(state, *load_chunk(j)), init)
 
         # Masked lanes point one row past the end: never touched on the GPU, dropped by
         # interpret mode's scatter (so duplicates never race a real row).
@@ -323,7 +310,7 @@ def _check(q_TUH, k_slots_XKH, v_slots_XKH, block_table_RP, seq_lens_R, q_positi
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "rule", "token_tile", "key_chunk", "interpret", "block_q", "block_k",
-    "kv_splits", "num_warps", "num_stages", "prefetch"))
+    "kv_splits", "num_warps", "num_stages"))
 def paged_attention_pallas(
     q_TUH,
     q_positions_T,
@@ -343,7 +330,6 @@ def paged_attention_pallas(
     kv_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = 2,
-    prefetch: bool = False,
     blocks=None,
     sinks_U=None,
 ):
@@ -357,8 +343,6 @@ def paged_attention_pallas(
     block_k: key positions per chunk (power of two >= 16); default `default_block_k`.
     kv_splits: key splits per query block (power of two); > 1 for few long requests.
     num_warps, num_stages: Triton settings (num_warps default 4, or 8 for 128-row blocks).
-    prefetch: issue each key chunk's loads one chunk ahead (the next chunk's tiles are
-        carried through the loop, in registers).
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
     sinks_U: as the reference's.
@@ -382,7 +366,7 @@ def paged_attention_pallas(
         num_tokens=T, num_heads=U, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
-        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None, prefetch=prefetch)
+        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None)
     cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
     sinks_U = jnp.zeros((U,), jnp.float32) if sinks_U is None else sinks_U.astype(jnp.float32)
     if blocks is None:

@@ -26,14 +26,14 @@ from bench.shapes import MODELS
 
 
 def kernel_settings(variant: str) -> dict:
-    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u; a
-    final "p" solves the chunks' systems by products)."""
-    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?(p)?", variant)
+    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u; then
+    "p" solves the chunks' systems by products, "x" walks with TF32x3 products)."""
+    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?(p)?(x)?", variant)
     if not match or not variant:
-        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>[p].")
+        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>[p][x].")
     names = ("unroll", "block_v", "num_warps")
     settings = {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
-    return settings | (dict(solve="products") if match.group(4) else {})
+    return settings | (dict(solve="products") if match.group(4) else {}) | (dict(tf32x3=True) if match.group(5) else {})
 
 
 def main(argv=None):

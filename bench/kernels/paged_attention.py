@@ -119,10 +119,10 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
 SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
 SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
     dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
-# Batch-1 long-context settings (--contexts): key chunk x splits x warps x loads one chunk
-# ahead, for programs that wait on their loads (few programs over long rows).
-LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w, prefetch=p)
-                            for k in (32, 64, 128) for s in (16, 32) for w in (4, 8) for p in (False, True))
+# Batch-1 long-context settings (--contexts): key chunk x splits x warps, for programs that
+# wait on their loads (few programs over long rows).
+LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w)
+                            for k in (64, 128) for s in (16, 32, 64) for w in (4, 8))
 
 
 def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, side="target"):
@@ -202,7 +202,7 @@ def main(argv=None):
         record.write(dict(reps=reps, chain=chain, model=args.model, sweep=rows))
         for r in rows:
             settings = (f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
-                        f"warps={r.get('num_warps', 'auto')}{' prefetch' if r.get('prefetch') else ''}")
+                        f"warps={r.get('num_warps', 'auto')}")
             timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
             print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<41} {timing}")
         return 0
