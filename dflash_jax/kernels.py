@@ -10,7 +10,10 @@ could not), while the experts' kernel runs per device inside the expert split an
 rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()`
 replaces "auto" by what it means on this backend; the resolved value travels in each
 program's static configuration, so it is part of the jit cache key and a different choice
-compiles a different program. Nothing here reads the environment: a caller
+compiles a different program. One more choice is a form, not an implementation:
+`prefill_rule`, whether long prefill rows go through the gated delta rule in chunks of 64
+("chunks", the CPU's "auto") or token by token like every other row ("tokens", the GPU's:
+there the chunked walk measured no faster). Nothing here reads the environment: a caller
 that wants environment defaults (the CLI) reads them itself.
 
     kernels = Kernels(attention="pallas").resolve()   # the others "auto"
@@ -37,7 +40,8 @@ from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
-# Implementations each kernel accepts; "auto" resolves to "pallas" on a GPU, else "reference".
+# Implementations each kernel accepts; "auto" resolves to "pallas" on a GPU, else "reference"
+# (prefill_rule: to "tokens" on a GPU, else "chunks").
 CHOICES = {
     "attention": ("auto", "reference", "pallas"),
     "layout": ("auto", "reference", "pallas", "triton"),
@@ -46,6 +50,7 @@ CHOICES = {
     "quantized": ("auto", "reference", "pallas"),
     "experts": ("auto", "reference", "pallas"),
     "recurrence": ("auto", "reference", "pallas"),
+    "prefill_rule": ("auto", "chunks", "tokens"),
 }
 
 
@@ -61,6 +66,7 @@ class Kernels:
     quantized: str = "auto"
     experts: str = "auto"
     recurrence: str = "auto"
+    prefill_rule: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -89,6 +95,8 @@ class Kernels:
                              "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if on_gpu else "reference" for name in CHOICES}
+        # On the H200 the chunked rule's walk took as long as the whole token walk (bench/results)
+        auto["prefill_rule"] = "tokens" if on_gpu else "chunks"
         if mesh is not None:
             auto["quantized"] = "reference"
         return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
@@ -124,7 +132,10 @@ class Kernels:
 
     @property
     def chunked_delta_rule(self):
-        """`delta_rule_reference`'s signature (and `num_chunks`), in chunks of tokens: prefill rows."""
+        """`delta_rule_reference`'s signature (and `num_chunks`), in chunks of tokens, for long
+        prefill rows; None where `prefill_rule` walks them token by token too."""
+        if self._chosen("prefill_rule") == "tokens":
+            return None
         return chunked_delta_rule_pallas if self._chosen("recurrence") == "pallas" else chunked_delta_rule_reference
 
     def paged_attention(self, q_req_T, *, num_rows: int, num_kv_heads: int, group: int, dtype):
@@ -147,7 +158,7 @@ class Kernels:
         return value
 
 
-REFERENCE = Kernels(**{name: "reference" for name in CHOICES})
+REFERENCE = Kernels(**{name: "reference" for name in CHOICES if name != "prefill_rule"}, prefill_rule="chunks")
 
 
 def check_kernels(kernels) -> Kernels:
@@ -170,5 +181,6 @@ def add_kernels_argument(parser) -> None:
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
         "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton); auto, "
-        "the default, is Pallas on a GPU and the jnp reference elsewhere",
+        "the default, is Pallas on a GPU and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
+        "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

@@ -108,14 +108,14 @@ def sharded_rule(inputs: RecurrentInputs, rule, reference, *, outputs: bool = Tr
 def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV, delta_RHKV, starts_R, ends_R,
                  commits_R, prefill_R, asks_for_chunks: bool = True):
     """(out, state) of the rule over each row's `[start, end)` (`delta_rule_reference`'s
-    result): prefill rows (`prefill_R`, None: none) of at least `CHUNK` tokens in chunks,
-    the others token by token, so that decode and verify rows compute exactly what single
+    result): prefill rows (`prefill_R`, None: none) of at least `CHUNK` tokens in chunks
+    (unless `kernels.prefill_rule` is "tokens"), the others token by token, so that decode and verify rows compute exactly what single
     steps compute. With `asks_for_chunks` the chunked pass runs only in a batch that has
     such a row (a conditional, which the device runs inside a CUDA graph where the program's
     options put conditionals there, and the host decides otherwise); without, always."""
     rule_inputs = (q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV)
     by_token = sharded_rule(inputs, kernels.delta_rule, delta_rule_reference)
-    if prefill_R is None or q_THK.shape[0] < CHUNK:
+    if prefill_R is None or q_THK.shape[0] < CHUNK or kernels.chunked_delta_rule is None:
         return by_token(*rule_inputs, delta_RHKV, starts_R, ends_R, commits_R=commits_R)
     chunked_R = prefill_R & (ends_R - starts_R >= CHUNK)
     commits_R = jnp.ones_like(chunked_R) if commits_R is None else commits_R

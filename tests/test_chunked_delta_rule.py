@@ -129,3 +129,18 @@ def test_gpu_compiled_kernel_matches_the_token_walk(block_v, solve, tf32x3):
     commits = jnp.array([True, False, True, False])
     _, some = chunked_delta_rule_pallas(*inputs, starts, ends, commits_R=commits, block_v=block_v, interpret=False)
     np.testing.assert_array_equal(np.asarray(some)[[1, 3]], np.asarray(inputs[5])[[1, 3]])
+
+
+def test_kernels_choose_the_prefill_rule():
+    """Long prefill rows go in chunks on a CPU and token by token on a GPU (where the chunked
+    walk measured no faster); `prefill_rule` overrides either way, from the command line's form too."""
+    from dflash_jax.kernels import Kernels
+
+    on_gpu = jax.default_backend() == "gpu"
+    assert Kernels().resolve().prefill_rule == ("tokens" if on_gpu else "chunks")
+    assert Kernels.parse("recurrence=pallas,prefill_rule=chunks").resolve().chunked_delta_rule is chunked_delta_rule_pallas
+    assert Kernels.parse("recurrence=reference").resolve().chunked_delta_rule in (
+        None if on_gpu else chunked_delta_rule_reference,)
+    assert Kernels(prefill_rule="tokens").resolve().chunked_delta_rule is None
+    with pytest.raises(ValueError, match="prefill_rule kernel must be one of auto, chunks, tokens"):
+        Kernels(prefill_rule="chunked")

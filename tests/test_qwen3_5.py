@@ -249,7 +249,8 @@ def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_de
     which goes through the rule in chunks of 64 and 36 (the Pallas walk in interpret mode
     here), beside a verify row whose state that pass leaves alone. Each generated token's
     log-probability, both requests', equals transformers' over the same sequence, and the
-    tokens equal an Engine's with 16-token steps (every row walked token by token)."""
+    tokens equal an Engine's with 16-token steps (every row walked token by token) and one's
+    that walks long prefill rows token by token too (`prefill_rule="tokens"`, a GPU's default)."""
     import dflash_jax.kernels
     from dflash_jax.step_program import clear_compiled_programs
 
@@ -261,10 +262,10 @@ def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_de
     monkeypatch.setattr(dflash_jax.kernels, name, lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
     clear_compiled_programs()  # trace afresh: the calls counted are this test's
 
-    def run(max_num_tokens):
+    def run(max_num_tokens, prefill_rule="auto"):
         engine = dflash_jax.Engine(target, decoding_pair[2], max_num_reqs=2, max_num_tokens=max_num_tokens,
                                    block_size=4, prefix_caching=False,
-                                   kernels=dflash_jax.Kernels(recurrence=recurrence))
+                                   kernels=dflash_jax.Kernels(recurrence=recurrence, prefill_rule=prefill_rule))
         ids, logprobs = [engine.add_request(prompts[0], params)], {}
         while engine.has_unfinished():
             if len(ids) == 1 and engine.output(ids[0]):  # the first request is decoding: the long one joins
@@ -281,6 +282,8 @@ def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_de
         want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(generated)[:, None])[:, 0]
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-5)
     assert run(16)[0] == tokens
+    calls.clear()
+    assert run(128, prefill_rule="tokens")[0] == tokens and not calls
 
 
 def test_prefix_caching_starts_hybrid_requests_from_saved_states_exactly(converted, decoding_pair):
