@@ -282,8 +282,9 @@ def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_de
         want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(generated)[:, None])[:, 0]
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-5)
     assert run(16)[0] == tokens
-    calls.clear()
-    assert run(128, prefill_rule="tokens")[0] == tokens and not calls
+    if recurrence == "reference":  # the choice is the runtime's, not the kernel's: one run shows it
+        calls.clear()
+        assert run(128, prefill_rule="tokens")[0] == tokens and not calls
 
 
 def test_prefix_caching_starts_hybrid_requests_from_saved_states_exactly(converted, decoding_pair):
