@@ -37,6 +37,7 @@ from pallas_kernels.delta_rule import token_rows
 CHUNK = 64  # tokens a chunk solves at once (transformers' chunked form uses 64 too)
 BLOCK_V = 32  # value columns per program of the walk
 NUM_WARPS = 8  # at 4 the walk's tiles spill (bench/results)
+SOLVES = ("triangular", "products")  # how the chunks' systems are solved (`_chunk_terms`)
 SOLVE = "triangular"
 MIN_DOT = 16  # Triton's products need at least 16 along each dimension
 
@@ -219,6 +220,8 @@ def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R
 
 def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
              num_chunks, solve):
+    if solve not in SOLVES:
+        raise ValueError(f"solve must be one of {', '.join(SOLVES)}, got {solve!r}.")
     num_tokens = q_THK.shape[0]
     num_chunks = chunks_for(num_tokens, starts_R.shape[0], chunk) if num_chunks is None else num_chunks
     layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk, num_chunks)

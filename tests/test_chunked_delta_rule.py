@@ -66,6 +66,12 @@ def test_chunks_for_holds_any_rows():
     assert chunks_for(640, 32, 64, min_row_tokens=64) == 20 < chunks_for(640, 32, 64) == 42
 
 
+def test_an_unknown_solve_is_refused():
+    inputs = random_inputs(np.random.default_rng(1), T=8, R=1)
+    with pytest.raises(ValueError, match="solve must be one of triangular, products, got 'inverse'"):
+        chunked_delta_rule_reference(*inputs, jnp.array([0]), jnp.array([8]), chunk=8, solve="inverse")
+
+
 def test_strong_decays_stay_finite():
     """exp of a chunk's summed decays underflows to zero: no inf or NaN, the state forgets."""
     q, k, v, g, beta, state = random_inputs(np.random.default_rng(2), T=16, R=1)
