@@ -37,8 +37,6 @@ from pallas_kernels.delta_rule import token_rows
 CHUNK = 64  # tokens a chunk solves at once (transformers' chunked form uses 64 too)
 BLOCK_V = 32  # value columns per program of the walk
 NUM_WARPS = 8  # at 4 the walk's tiles spill (bench/results)
-SOLVES = ("triangular", "products")  # how the chunks' systems are solved (`_chunk_terms`)
-SOLVE = "triangular"
 MIN_DOT = 16  # Triton's products need at least 16 along each dimension
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -101,24 +99,9 @@ class _ChunkTerms(typing.NamedTuple):
     decay_NH: jax.Array
 
 
-def _unit_lower_inverse(system_NHCC):
-    """The inverse of unit lower-triangular matrices I + L by products alone: L is nilpotent,
-    so (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... up to L^(C/2), log2(C) squarings and as many
-    products (batched matrix products run near a GPU's peak; batched triangular solves do not)."""
-    chunk = system_NHCC.shape[-1]
-    eye = jnp.eye(chunk, dtype=system_NHCC.dtype)
-    power = eye - system_NHCC  # -L
-    inverse = eye + power
-    for _ in range(chunk.bit_length() - 2):  # powers 2, 4, ..., C/2
-        power = jnp.einsum("nhij,nhjk->nhik", power, power, precision=_HIGHEST)
-        inverse = inverse + jnp.einsum("nhij,nhjk->nhik", inverse, power, precision=_HIGHEST)
-    return inverse
-
-
-def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC, solve: str) -> _ChunkTerms:
+def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC) -> _ChunkTerms:
     """Every chunk's terms at once (batched products and solves, no dependence between
-    chunks): the part of the rule that does not need the state. solve: "triangular" (XLA's
-    batched triangular solve) or "products" (`_unit_lower_inverse`)."""
+    chunks): the part of the rule that does not need the state."""
     repeat = v_THV.shape[1] // q_THK.shape[1]
 
     def gather(x, repeats=1):  # [T, heads, ...] -> [N, H, C, ...], zeros at padding
@@ -136,10 +119,7 @@ def _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, token_NC, solve: str) -> _C
     kk_NHCC = jnp.einsum("nhik,nhjk->nhij", k_NHCK, k_NHCK, precision=_HIGHEST)
     system_NHCC = jnp.eye(chunk) + jnp.where(strictly_CC, beta_NHC[..., None] * decay_NHCC * kk_NHCC, 0)
     rhs = jnp.concatenate([(beta_NHC * jnp.exp(cum_NHC))[..., None] * k_NHCK, beta_NHC[..., None] * v_NHCV], axis=-1)
-    if solve == "triangular":
-        solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
-    else:
-        solved = jnp.einsum("nhij,nhjd->nhid", _unit_lower_inverse(system_NHCC), rhs, precision=_HIGHEST)
+    solved = lax.linalg.triangular_solve(system_NHCC, rhs, left_side=True, lower=True, unit_diagonal=True)
     w_NHCK, base_NHCV = jnp.split(solved, [k_NHCK.shape[-1]], axis=-1)
     qk_NHCC = jnp.einsum("nhik,nhjk->nhij", q_NHCK, k_NHCK, precision=_HIGHEST)
     last_NH = cum_NHC[..., -1]
@@ -157,13 +137,9 @@ def _advance_chunk(s_KV, terms, dot):
     return out_CV, decay * s_KV + dot(k_CK, u_CV, ((0,), (0,)))
 
 
-def _dot(a, b, contracting, precision=_HIGHEST):
+def _dot(a, b, contracting):
     """A float32 product at full precision (Triton's IEEE mode on a GPU: no TF32)."""
-    return lax.dot_general(a, b, (contracting, ((), ())), precision=precision, preferred_element_type=jnp.float32)
-
-
-# Three TF32 tensor-core products that sum to a float32 one's accuracy (GPU only; CPUs refuse it)
-_dot_tf32x3 = functools.partial(_dot, precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    return lax.dot_general(a, b, (contracting, ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R):
@@ -181,14 +157,14 @@ def _walk_reference(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commit
 
 
 def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in_ref, chunk_starts_ref, chunk_ends_ref,
-                 commits_ref, out_ref, state_ref, *, block_v: int, write_out: bool, dot):
+                 commits_ref, out_ref, state_ref, *, block_v: int, write_out: bool):
     row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(col_block * block_v, block_v)
 
     def chunk(c, s_KV):
         terms = (q_ref[c, head], w_ref[c, head], base_ref[c, head, :, cols], k_ref[c, head], weights_ref[c, head],
                  decay_ref[c, head])
-        out_CV, s_KV = _advance_chunk(s_KV, terms, dot)
+        out_CV, s_KV = _advance_chunk(s_KV, terms, _dot)
         if write_out:
             out_ref[c, head, :, cols] = out_CV
         return s_KV
@@ -201,12 +177,11 @@ def _walk_kernel(q_ref, w_ref, base_ref, k_ref, weights_ref, decay_ref, state_in
 
 
 def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R, *, outputs: bool, block_v: int,
-                 num_warps: int, tf32x3: bool, interpret: bool):
+                 num_warps: int, interpret: bool):
     R, H, K, V = state_RHKV.shape
     num_chunks, _, chunk, _ = terms.q_NHCK.shape
     return pl.pallas_call(
-        functools.partial(_walk_kernel, block_v=block_v, write_out=outputs,
-                          dot=_dot_tf32x3 if tf32x3 and not interpret else _dot),
+        functools.partial(_walk_kernel, block_v=block_v, write_out=outputs),
         out_shape=(jax.ShapeDtypeStruct((num_chunks, H, chunk, V), jnp.float32),
                    jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
         grid=(R, H, V // block_v),
@@ -219,13 +194,11 @@ def _walk_pallas(terms: _ChunkTerms, state_RHKV, layout: _ChunkLayout, commits_R
 
 
 def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
-             num_chunks, solve):
-    if solve not in SOLVES:
-        raise ValueError(f"solve must be one of {', '.join(SOLVES)}, got {solve!r}.")
+             num_chunks):
     num_tokens = q_THK.shape[0]
     num_chunks = chunks_for(num_tokens, starts_R.shape[0], chunk) if num_chunks is None else num_chunks
     layout = _chunk_layout(starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), num_tokens, chunk, num_chunks)
-    terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC, solve)
+    terms = _chunk_terms(q_THK, k_THK, v_THV, g_TH, beta_TH, layout.token_NC)
     commits_R = jnp.ones(starts_R.shape, bool) if commits_R is None else commits_R
     out_NHCV, after_RHKV = walk(terms, state_RHKV.astype(jnp.float32), layout, commits_R)
     if not outputs:
@@ -236,24 +209,22 @@ def _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, end
 
 def chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
                                  outputs: bool = True, commits_R=None, chunk: int = CHUNK,
-                                 num_chunks: int | None = None, solve: str = SOLVE):
+                                 num_chunks: int | None = None):
     """`delta_rule_reference` (same arguments and result, to float rounding) in chunks of
     `chunk` tokens from each row's start, the walk over chunks a `lax.scan`. `num_chunks`:
-    the chunks laid out, at least the rows' (None: `chunks_for` any rows); `solve`, how the
-    chunks' triangular systems are solved (`_chunk_terms`)."""
+    the chunks laid out, at least the rows' (None: `chunks_for` any rows)."""
     return _chunked(_walk_reference, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs,
-                    commits_R, chunk, num_chunks, solve)
+                    commits_R, chunk, num_chunks)
 
 
 def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *,
                               outputs: bool = True, commits_R=None, chunk: int = CHUNK,
                               num_chunks: int | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                              solve: str = SOLVE, tf32x3: bool = False, interpret: bool | None = None):
+                              interpret: bool | None = None):
     """`chunked_delta_rule_reference` with the walk over chunks as one Pallas kernel (a program
     per row, value head and `block_v` value columns). Compiled, a key dim, chunk or value block
     under 16 (Triton's smallest product) takes the reference walk. interpret: None runs
-    compiled on a GPU backend and in interpret mode elsewhere. tf32x3: the walk's products as
-    three TF32 tensor-core products each (compiled only)."""
+    compiled on a GPU backend and in interpret mode elsewhere."""
     K, V = q_THK.shape[-1], v_THV.shape[-1]
     block_v = min(block_v, V)
     if not all(is_pow2(n) for n in (K, block_v, chunk)) or V % block_v:
@@ -262,9 +233,7 @@ def chunked_delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, st
     interpret = runs_interpreted(interpret)
     if not interpret and min(K, block_v, chunk) < MIN_DOT:
         return chunked_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R,
-                                            outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks,
-                                            solve=solve)
-    walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, tf32x3=tf32x3,
-                             interpret=interpret)
+                                            outputs=outputs, commits_R=commits_R, chunk=chunk, num_chunks=num_chunks)
+    walk = functools.partial(_walk_pallas, outputs=outputs, block_v=block_v, num_warps=num_warps, interpret=interpret)
     return _chunked(walk, q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, outputs, commits_R, chunk,
-                    num_chunks, solve)
+                    num_chunks)

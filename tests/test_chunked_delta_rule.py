@@ -5,8 +5,6 @@ chunk exactly, several with a partial last one, empty) and tokens in no row; the
 computes its reference; it equals transformers' chunked form; strong decays stay finite
 (shapes it cannot tile: test_delta_rule_kernel.py)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,13 +24,11 @@ def row_bounds(rows):
 
 
 @pytest.mark.parametrize("decay", ["fast", "slow"])
-@pytest.mark.parametrize("rule", ["reference", "reference-products", "pallas-16", "pallas-64"])
+@pytest.mark.parametrize("rule", ["reference", "pallas-16", "pallas-64"])
 def test_chunks_compute_the_token_walk(rule, decay):
-    """The kernel with 16 value columns a program (4 programs a head) and 64 (one); the
-    chunks' systems solved by products; decays of ~0.8 a token, and of ~0.01 (the state
-    carried into a chunk then shows throughout it)."""
+    """The kernel with 16 value columns a program (4 programs a head) and 64 (one); decays
+    of ~0.8 a token, and of ~0.01 (the state carried into a chunk then shows throughout it)."""
     chunked = chunked_delta_rule_reference if rule == "reference" else (
-        lambda *a, **kw: chunked_delta_rule_reference(*a, **kw, solve="products")) if rule == "reference-products" else (
         lambda *a, **kw: chunked_delta_rule_pallas(*a, **kw, block_v=int(rule[7:]), interpret=True))
     inputs = random_inputs(np.random.default_rng(0), T=40, R=len(ROWS))
     if decay == "slow":
@@ -66,12 +62,6 @@ def test_chunks_for_holds_any_rows():
     assert chunks_for(640, 32, 64, min_row_tokens=64) == 20 < chunks_for(640, 32, 64) == 42
 
 
-def test_an_unknown_solve_is_refused():
-    inputs = random_inputs(np.random.default_rng(1), T=8, R=1)
-    with pytest.raises(ValueError, match="solve must be one of triangular, products, got 'inverse'"):
-        chunked_delta_rule_reference(*inputs, jnp.array([0]), jnp.array([8]), chunk=8, solve="inverse")
-
-
 def test_strong_decays_stay_finite():
     """exp of a chunk's summed decays underflows to zero: no inf or NaN, the state forgets."""
     q, k, v, g, beta, state = random_inputs(np.random.default_rng(2), T=16, R=1)
@@ -91,9 +81,7 @@ def test_equals_transformers_chunked_form():
     assert_equals_transformers(chunked_delta_rule_reference, torch_chunk_gated_delta_rule, 100)
 
 
-@pytest.mark.parametrize("kernel", [delta_rule_pallas, chunked_delta_rule_pallas,
-                                    functools.partial(chunked_delta_rule_pallas, tf32x3=True, solve="products")],
-                         ids=["walk", "chunked", "chunked-tf32x3"])
+@pytest.mark.parametrize("kernel", [delta_rule_pallas, chunked_delta_rule_pallas], ids=["walk", "chunked"])
 @pytest.mark.parametrize("block_v", [32, 64])
 def test_kernels_lower_to_triton_for_a_gpu_from_any_host(kernel, block_v):
     """At Qwen3.5-9B's heads each kernel lowers for CUDA to one Triton call (conftest's
@@ -118,9 +106,8 @@ def test_heads_too_small_for_triton_products_take_the_reference_walk():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("block_v, solve, tf32x3", [(32, "triangular", False), (64, "triangular", False),
-                                                    (32, "products", False), (32, "products", True)])
-def test_gpu_compiled_kernel_matches_the_token_walk(block_v, solve, tf32x3):
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_gpu_compiled_kernel_matches_the_token_walk(block_v):
     """Qwen3.5-9B's linear-attention heads: 16 key heads, 32 value heads of 128; rows of 1,
     299 and 700 tokens and an empty one, in chunks of 64."""
     rows = ((0, 1), (1, 300), (300, 300), (300, 1000))
@@ -128,8 +115,7 @@ def test_gpu_compiled_kernel_matches_the_token_walk(block_v, solve, tf32x3):
     inputs = random_inputs(np.random.default_rng(0), T=1024, R=len(rows), Hk=16, Hv=32, dk=128, dv=128)
     with jax.default_matmul_precision("highest"):
         want_out, want_state = delta_rule_reference(*inputs, starts, ends)
-    got_out, got_state = chunked_delta_rule_pallas(*inputs, starts, ends, block_v=block_v, solve=solve, tf32x3=tf32x3,
-                                                   interpret=False)
+    got_out, got_state = chunked_delta_rule_pallas(*inputs, starts, ends, block_v=block_v, interpret=False)
     np.testing.assert_allclose(got_out, want_out, rtol=5e-4, atol=5e-4)
     np.testing.assert_allclose(got_state, want_state, rtol=5e-4, atol=5e-4)
     commits = jnp.array([True, False, True, False])

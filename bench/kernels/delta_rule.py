@@ -26,14 +26,12 @@ from bench.shapes import MODELS
 
 
 def kernel_settings(variant: str) -> dict:
-    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u; then
-    "p" solves the chunks' systems by products, "x" walks with TF32x3 products)."""
-    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?(p)?(x)?", variant)
+    """`delta_rule_pallas` keywords of a --variants entry such as "u4v8w1" (--chunked: no u)."""
+    match = re.fullmatch(r"(?:u(\d+))?(?:v(\d+))?(?:w(\d+))?", variant)
     if not match or not variant:
-        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>[p][x].")
+        raise SystemExit(f"--variants entry {variant!r}: write it as u<tokens per run>v<value columns>w<warps>.")
     names = ("unroll", "block_v", "num_warps")
-    settings = {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
-    return settings | (dict(solve="products") if match.group(4) else {}) | (dict(tf32x3=True) if match.group(5) else {})
+    return {name: int(value) for name, value in zip(names, match.groups()) if value is not None}
 
 
 def main(argv=None):
@@ -71,8 +69,7 @@ def main(argv=None):
         shapes = [(rows, min(tokens, 128)) for rows, tokens in shapes]
     interpret = jax.default_backend() != "gpu"
     variants = {"pallas": functools.partial(delta_rule_pallas, interpret=interpret), "reference": delta_rule_reference,
-                "chunked_reference": chunked_delta_rule_reference,
-                "chunked_reference_p": functools.partial(chunked_delta_rule_reference, solve="products")}
+                "chunked_reference": chunked_delta_rule_reference}
     for variant in filter(None, args.variants.split(",")):
         variants[f"pallas_{variant}"] = functools.partial(delta_rule_pallas, interpret=interpret,
                                                           **kernel_settings(variant))

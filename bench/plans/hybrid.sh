@@ -9,7 +9,7 @@
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
 #                                               # PARTS (tests,steps,reference,kernel; also profile,sweep),
 #                                               # LIMIT (s, the steps), VARIANTS (u1,u4v8w1,...),
-#                                               # CHUNKED (the chunked form's v<cols>w<warps>[p],...),
+#                                               # CHUNKED (the chunked form's v<cols>w<warps>,...),
 #                                               # SHAPES (the rule's rows x tokens), TESTS (test files)
 #   OUT=/tmp/h SMALL=1 bash bench/plans/hybrid.sh HEAD  # CPU smoke test
 source "$(dirname "$0")/common.sh"
@@ -35,7 +35,7 @@ fi
 if [[ $parts == *kernel* ]]; then
     echo "== delta-rule kernel"
     timeout 200 python3 -m bench.kernels.delta_rule $small --reps 10 --variants "${VARIANTS:-u1,u4v16w2,u4v8w1}" \
-        --chunked "${CHUNKED:-v32w8,v32w8p,v64w8}" ${SHAPES:+--shapes $SHAPES} \
+        --chunked "${CHUNKED:-v32w8,v64w8}" ${SHAPES:+--shapes $SHAPES} \
         --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
