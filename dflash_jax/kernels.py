@@ -40,8 +40,7 @@ from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 
-# Implementations each kernel accepts; "auto" resolves to "pallas" on a GPU, else "reference"
-# (prefill_rule: to "tokens" on a GPU, else "chunks").
+# Implementations each kernel accepts ("auto": see AUTO).
 CHOICES = {
     "attention": ("auto", "reference", "pallas"),
     "layout": ("auto", "reference", "pallas", "triton"),
@@ -52,6 +51,9 @@ CHOICES = {
     "recurrence": ("auto", "reference", "pallas"),
     "prefill_rule": ("auto", "chunks", "tokens"),
 }
+# What "auto" means: (on a GPU, elsewhere). Long prefill rows walk token by token on a GPU,
+# where the chunked rule measured no faster (bench/results).
+AUTO = {name: ("pallas", "reference") for name in CHOICES} | {"prefill_rule": ("tokens", "chunks")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +96,7 @@ class Kernels:
             raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
                              "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
-        auto = {name: "pallas" if on_gpu else "reference" for name in CHOICES}
-        # On the H200 the chunked rule's walk took as long as the whole token walk (bench/results)
-        auto["prefill_rule"] = "tokens" if on_gpu else "chunks"
+        auto = {name: AUTO[name][0 if on_gpu else 1] for name in CHOICES}
         if mesh is not None:
             auto["quantized"] = "reference"
         return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
@@ -158,7 +158,7 @@ class Kernels:
         return value
 
 
-REFERENCE = Kernels(**{name: "reference" for name in CHOICES if name != "prefill_rule"}, prefill_rule="chunks")
+REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()})
 
 
 def check_kernels(kernels) -> Kernels:

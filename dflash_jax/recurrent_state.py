@@ -109,8 +109,8 @@ def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV,
                  commits_R, prefill_R, asks_for_chunks: bool = True):
     """(out, state) of the rule over each row's `[start, end)` (`delta_rule_reference`'s
     result): prefill rows (`prefill_R`, None: none) of at least `CHUNK` tokens in chunks
-    (unless `kernels.prefill_rule` is "tokens"), the others token by token, so that decode and verify rows compute exactly what single
-    steps compute. With `asks_for_chunks` the chunked pass runs only in a batch that has
+    (unless `kernels.prefill_rule` is "tokens"), the others token by token, so that decode
+    and verify rows compute exactly what single steps compute. With `asks_for_chunks` the chunked pass runs only in a batch that has
     such a row (a conditional, which the device runs inside a CUDA graph where the program's
     options put conditionals there, and the host decides otherwise); without, always."""
     rule_inputs = (q_THK, k_THK, v_THV, inputs.g_TV, inputs.beta_TV)

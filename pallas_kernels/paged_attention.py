@@ -218,8 +218,8 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
         num_chunks = jnp.maximum((hi + chunk - 1) // chunk - first_chunk, 0)
         trips = jnp.maximum(num_chunks - split + splits - 1, 0) // splits
 
-        def load_chunk(j):
-            """Chunk j's key positions, which of them exist, and its K and V tiles."""
+        def one_chunk(j, state):
+            max_M, sum_M, acc_MH = state
             key_pos = (first_chunk + split + j * splits) * chunk + key_in_chunk  # [chunk]
             page_index = jnp.minimum(key_pos // page, cfg.table_width - 1)
             page_id = plgpu.load(table_ref.at[req * cfg.table_width + page_index])
@@ -227,11 +227,6 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
             kv_row = jnp.where(key_ok, (page_id * page + key_pos % page) * K + kv_head, 0)
             k = plgpu.load(k_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
             v = plgpu.load(v_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
-            return key_pos, key_ok, k, v
-
-        def attend(state, key_pos, key_ok, k, v):
-            """The online softmax's update by one chunk of keys."""
-            max_M, sum_M, acc_MH = state
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * (H ** -0.5)
             visible = position_mask(q_pos, key_pos, rule) & (key_pos >= 0)[None, :] & key_ok[None, :] & valid[:, None]
@@ -246,7 +241,7 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
 
         init = (jnp.full((M,), _NEG_INIT, jnp.float32), jnp.zeros((M,), jnp.float32),
                 jnp.zeros((M, H), jnp.float32))
-        max_M, sum_M, acc_MH = lax.fori_loop(0, trips, lambda j, state: attend(state, *load_chunk(j)), init)
+        max_M, sum_M, acc_MH = lax.fori_loop(0, trips, one_chunk, init)
 
         # Masked lanes point one row past the end: never touched on the GPU, dropped by
         # interpret mode's scatter (so duplicates never race a real row).
