@@ -92,6 +92,7 @@ class _Config:
     num_programs: int
     f32: bool            # inputs are float32: IEEE dots
     sinks: bool = False  # a logit per query head in the softmax's denominator (gpt-oss)
+    pages_ahead: bool = False  # load chunk j + 1's page ids while chunk j's K/V load
 
     @property
     def group(self):
@@ -218,11 +219,20 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
         num_chunks = jnp.maximum((hi + chunk - 1) // chunk - first_chunk, 0)
         trips = jnp.maximum(num_chunks - split + splits - 1, 0) // splits
 
+        def chunk_keys(j):
+            return (first_chunk + split + j * splits) * chunk + key_in_chunk          # [chunk]
+
+        def page_ids(j):
+            page_index = jnp.minimum(chunk_keys(j) // page, cfg.table_width - 1)
+            return plgpu.load(table_ref.at[req * cfg.table_width + page_index])
+
         def one_chunk(j, state):
-            max_M, sum_M, acc_MH = state
-            key_pos = (first_chunk + split + j * splits) * chunk + key_in_chunk  # [chunk]
-            page_index = jnp.minimum(key_pos // page, cfg.table_width - 1)
-            page_id = plgpu.load(table_ref.at[req * cfg.table_width + page_index])
+            max_M, sum_M, acc_MH = state[:3]
+            key_pos = chunk_keys(j)
+            if cfg.pages_ahead:
+                page_id, next_page_id = state[3], page_ids(j + 1)
+            else:
+                page_id = page_ids(j)
             key_ok = key_pos < seq_len
             kv_row = jnp.where(key_ok, (page_id * page + key_pos % page) * K + kv_head, 0)
             k = plgpu.load(k_ref.at[kv_row[:, None], cols], mask=key_ok[:, None], other=0)
@@ -237,11 +247,14 @@ def _kernel(cfg: _Config, first_ref, num_blocks_ref, req_ref, pos_ref, seq_lens_
             acc_MH = acc_MH * rescale[:, None] + lax.dot_general(
                 probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                 preferred_element_type=jnp.float32)
-            return new_max, sum_M * rescale + jnp.sum(probs, axis=1), acc_MH
+            state = (new_max, sum_M * rescale + jnp.sum(probs, axis=1), acc_MH)
+            return state + (next_page_id,) if cfg.pages_ahead else state
 
         init = (jnp.full((M,), _NEG_INIT, jnp.float32), jnp.zeros((M,), jnp.float32),
                 jnp.zeros((M, H), jnp.float32))
-        max_M, sum_M, acc_MH = lax.fori_loop(0, trips, one_chunk, init)
+        if cfg.pages_ahead:
+            init = init + (page_ids(0),)
+        max_M, sum_M, acc_MH = lax.fori_loop(0, trips, one_chunk, init)[:3]
 
         # Masked lanes point one row past the end: never touched on the GPU, dropped by
         # interpret mode's scatter (so duplicates never race a real row).
@@ -305,7 +318,7 @@ def _check(q_TUH, k_slots_XKH, v_slots_XKH, block_table_RP, seq_lens_R, q_positi
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "rule", "token_tile", "key_chunk", "interpret", "block_q", "block_k",
-    "kv_splits", "num_warps", "num_stages"))
+    "kv_splits", "num_warps", "num_stages", "pages_ahead"))
 def paged_attention_pallas(
     q_TUH,
     q_positions_T,
@@ -325,6 +338,7 @@ def paged_attention_pallas(
     kv_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = 2,
+    pages_ahead: bool = False,
     blocks=None,
     sinks_U=None,
 ):
@@ -338,6 +352,8 @@ def paged_attention_pallas(
     block_k: key positions per chunk (power of two >= 16); default `default_block_k`.
     kv_splits: key splits per query block (power of two); > 1 for few long requests.
     num_warps, num_stages: Triton settings (num_warps default 4, or 8 for 128-row blocks).
+    pages_ahead: load each chunk's page ids one chunk early (carried in registers), so a
+        chunk's K/V loads do not wait on its page-id load.
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
     sinks_U: as the reference's.
@@ -361,7 +377,7 @@ def paged_attention_pallas(
         num_tokens=T, num_heads=U, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
-        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None)
+        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None, pages_ahead=pages_ahead)
     cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
     sinks_U = jnp.zeros((U,), jnp.float32) if sinks_U is None else sinks_U.astype(jnp.float32)
     if blocks is None:

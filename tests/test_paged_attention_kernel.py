@@ -188,6 +188,9 @@ FUZZ = {
     "causal_f32_p16_split4_bq4": (
         Config(CAUSAL, "float32", 16, 2, 4, 32, 48, 4, 8,
                (("kv_splits", 4), ("block_k", 16), ("block_q", 4))), (1, 4), 8),
+    "causal_gqa4_bf16_p16_split4_pages_ahead": (
+        Config(CAUSAL, "bfloat16", 16, 2, 4, 32, 64, 6, 8,
+               (("kv_splits", 4), ("block_k", 16), ("pages_ahead", True))), (1, 3), 8),
 }
 
 
@@ -344,8 +347,9 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(heads, kv_splits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),), (("kv_splits", 16),)],
-                         ids=["splits1", "splits4", "splits16"])
+@pytest.mark.parametrize("kernel_kwargs", [(), (("kv_splits", 4),), (("kv_splits", 16),),
+                                           (("kv_splits", 16), ("pages_ahead", True), ("num_stages", 3))],
+                         ids=["splits1", "splits4", "splits16", "splits16_ahead_stages3"])
 @pytest.mark.parametrize("rule", [CAUSAL, FULL, LayerAttention(True, 64),
                                   LayerAttention(False, 64)], ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -119,23 +119,29 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
 SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
 SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
     dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
-# Batch-1 long-context settings (--contexts): key chunk x splits x warps, for programs that
-# wait on their loads (few programs over long rows).
-LONG_SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, num_warps=w)
-                            for k in (64, 128) for s in (16, 32, 64) for w in (4, 8))
+# Batch-1 long-context settings (--contexts), for programs that wait on their loads (few
+# programs over long rows): pipelined loads (stages 2-4, page ids a chunk ahead or not) at
+# one program an SM, and unpipelined ones (stage 1: less shared memory) with more programs.
+LONG_SWEEP_SETTINGS = (
+    tuple(dict(block_k=k, kv_splits=32, num_stages=n, num_warps=4, pages_ahead=a)
+          for k in (64, 128) for n in (2, 3) for a in (False, True))
+    + tuple(dict(block_k=k, kv_splits=s, num_stages=1, num_warps=4, pages_ahead=a)
+            for k in (64, 128) for s in (32, 64, 128) for a in (False, True))
+    + tuple(dict(block_k=64, kv_splits=32, num_stages=n, num_warps=8, pages_ahead=a)
+            for n in (3, 4) for a in (False, True)))
 
-
-def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, side="target"):
+def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, side="target",
+          query_rows=(1, 16)):
     """Kernel settings (block_k x kv_splits x num_stages) at the decode / verify points that
-    dominate a cycle, with `model`'s heads; with `contexts`, the batch-1 decode and verify
-    points at those contexts over `LONG_SWEEP_SETTINGS` instead. The query blocks are cut once
+    dominate a cycle, with `model`'s heads; with `contexts`, the batch-1 points of
+    `query_rows` rows at those contexts over `LONG_SWEEP_SETTINGS` instead. The query blocks are cut once
     per chain, as the runtime cuts them once per step, so each call times the kernel (and the
     split epilogue) alone."""
     num_heads, num_kv_heads, head_dim, page_size = shapes(False, model, side)[:4]
     group_pad = 1 << math.ceil(math.log2(num_heads // num_kv_heads))
     points, settings_list = SWEEP_POINTS, SWEEP_SETTINGS
     if contexts:
-        points = tuple((1, context, rows) for context in contexts for rows in (1, 16))
+        points = tuple((1, context, rows) for context in contexts for rows in query_rows)
         settings_list = LONG_SWEEP_SETTINGS
     rows_out = []
     for batch, context, rows in points:
@@ -183,6 +189,7 @@ def main(argv=None):
     parser.add_argument("--contexts", default=None, help="contexts to time, comma separated (default 1024,8192); "
                         "with --sweep, batch-1 long-context settings at these contexts")
     parser.add_argument("--batches", default=None, help="batches to time, comma separated (default 1,8,32)")
+    parser.add_argument("--rows", default="1,16", help="with --sweep --contexts: query rows per request, comma separated")
     parser.add_argument("--sweep", action="store_true",
                         help="time kernel settings at the points that dominate a cycle (GPU only)")
     args = parser.parse_args(argv)
@@ -198,13 +205,14 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     if args.sweep:
         rows = sweep(rng, reps, chain, min_cache_bytes, args.model,
-                     tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None, args.side)
+                     tuple(int(c) for c in args.contexts.split(",")) if args.contexts else None, args.side,
+                     tuple(int(r) for r in args.rows.split(",")))
         record.write(dict(reps=reps, chain=chain, model=args.model, sweep=rows))
         for r in rows:
             settings = (f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
-                        f"warps={r.get('num_warps', 'auto')}")
+                        f"warps={r.get('num_warps', 'auto')} ahead={int(r.get('pages_ahead', False))}")
             timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
-            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<41} {timing}")
+            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<49} {timing}")
         return 0
     results = []
     for rows in query_rows:

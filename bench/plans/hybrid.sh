@@ -48,12 +48,13 @@ if [[ $parts == *sweep* ]]; then
     for side in ${SIDES:-target drafter}; do
         echo "== attention settings at long context, the $side's heads (fastest first)"
         timeout ${SWEEP_LIMIT:-240} python3 -m bench.kernels.paged_attention --sweep --model "$(big qwen3_5-9b small)" \
-            --side "$side" --contexts "$(big 32768 64)" $(big "" "--reps 1 --chain 1 --min-cache-mb 0") \
+            --side "$side" --contexts "$(big 32768 64)" $(big "" "--chain 1 --min-cache-mb 0") \
+            --rows "$([ "$side" = drafter ] && echo 16 || echo 1,16)" --reps ${SWEEP_REPS:-$(big 20 1)} \
             --out "$out/attention_sweep_$side.json" > "$out/attention_sweep_$side.log" 2>&1
         echo "   rc=$?"
         for rows in q1 q16; do
             grep -E "^B1 .* $rows " "$out/attention_sweep_$side.log" | sed -E 's/^(.*) ([0-9.]+) us (.*)$/\2 \1/' \
-                | sort -n | head -n 5
+                | sort -n | head -n 8
         done
     done
 fi
