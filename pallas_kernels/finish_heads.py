@@ -14,10 +14,11 @@ the weight; rotation in float32 with cos/sin computed outside (the same table th
 uses), cast back. Only the order of the float32 sum of squares may differ: outputs agree to a
 rounding step.
 
-Indexing: arrays are flat; a program's lanes cover half a head (the two halves of the
-rotation), padded to a power of two (Triton block shapes) and masked; masked or pad-slot
-stores point one element past the end (the GPU touches nothing there; interpret mode's
-scatter drops them).
+Indexing: arrays are flat; a program's lanes cover its head, padded to a power of two
+(Triton block shapes) and masked, and each lane also loads the dim it rotates with (i + Z or
+i - Z for a table of Z pairs; itself past the rotated 2Z dims, which pass through); masked or
+pad-slot stores point one element past the end (the GPU touches nothing there; interpret
+mode's scatter drops them).
 """
 
 from __future__ import annotations
@@ -73,52 +74,55 @@ def rotate(x_TUH, cos_TZ, sin_TZ):
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1).astype(x_TUH.dtype)
 
 
-def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim, block_f, eps, qk_norm, sizes):
+def _kernel(qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, head_dim, rotary_half, block_h, eps, qk_norm,
+            sizes):
     if qk_norm:
         q_weight_ref, k_weight_ref, slots_ref, _, _, q_ref, k_cache_ref, v_cache_ref = refs
     else:
         slots_ref, _, _, q_ref, k_cache_ref, v_cache_ref = refs
-    n, k, half = num_heads, num_kv_heads, head_dim // 2
+    n, k, z = num_heads, num_kv_heads, rotary_half
     t, j = pl.program_id(0), pl.program_id(1)
-    cols = jnp.arange(block_f)
-    ok = cols < half
-    at = (t * (n + 2 * k) + j) * head_dim + cols
-    a = plgpu.load(qkv_ref.at[at], mask=ok, other=0)
-    b = plgpu.load(qkv_ref.at[at + half], mask=ok, other=0)
+    dims = jnp.arange(block_h)
+    ok = dims < head_dim
+    rotated, first_half = dims < 2 * z, dims < z
+    partner = jnp.where(rotated & ok, jnp.where(first_half, dims + z, dims - z), dims)  # the dim it rotates with
+    at = (t * (n + 2 * k) + j) * head_dim
+    x = plgpu.load(qkv_ref.at[at + dims], mask=ok, other=0)
+    y = plgpu.load(qkv_ref.at[at + partner], mask=ok, other=0)
     is_q, is_v = j < n, j >= n + k
     if qk_norm:  # the key weights for value heads too: their normed rows are never stored
-        w_a = jnp.where(is_q, plgpu.load(q_weight_ref.at[cols], mask=ok, other=0),
-                        plgpu.load(k_weight_ref.at[cols], mask=ok, other=0))
-        w_b = jnp.where(is_q, plgpu.load(q_weight_ref.at[cols + half], mask=ok, other=0),
-                        plgpu.load(k_weight_ref.at[cols + half], mask=ok, other=0))
-        a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-        scale = lax.rsqrt((jnp.sum(a32 * a32) + jnp.sum(b32 * b32)) / head_dim + eps)
-        normed_a, normed_b = w_a * (a32 * scale).astype(a.dtype), w_b * (b32 * scale).astype(b.dtype)
-    else:
-        normed_a, normed_b = a, b
-    cos = plgpu.load(cos_ref.at[t * half + cols], mask=ok, other=0)
-    sin = plgpu.load(sin_ref.at[t * half + cols], mask=ok, other=0)
-    a32, b32 = normed_a.astype(jnp.float32), normed_b.astype(jnp.float32)
-    rot_a, rot_b = (a32 * cos - b32 * sin).astype(q_ref.dtype), (b32 * cos + a32 * sin).astype(q_ref.dtype)
+        def weight(index):
+            return jnp.where(is_q, plgpu.load(q_weight_ref.at[index], mask=ok, other=0),
+                             plgpu.load(k_weight_ref.at[index], mask=ok, other=0))
 
-    q_at = (t * n + j) * head_dim + cols
-    plgpu.store(q_ref.at[jnp.where(ok & is_q, q_at, sizes[0])], rot_a, mask=ok & is_q)
-    plgpu.store(q_ref.at[jnp.where(ok & is_q, q_at + half, sizes[0])], rot_b, mask=ok & is_q)
+        x32 = x.astype(jnp.float32)
+        scale = lax.rsqrt(jnp.sum(x32 * x32) / head_dim + eps)
+        normed_x = weight(dims) * (x32 * scale).astype(x.dtype)
+        normed_y = weight(partner) * (y.astype(jnp.float32) * scale).astype(y.dtype)
+    else:
+        normed_x, normed_y = x, y
+    table_at = t * z + jnp.where(first_half, dims, dims - z)
+    cos = plgpu.load(cos_ref.at[table_at], mask=ok & rotated, other=0)
+    sin = plgpu.load(sin_ref.at[table_at], mask=ok & rotated, other=0)
+    x32, y32 = normed_x.astype(jnp.float32), normed_y.astype(jnp.float32)
+    rot = jnp.where(first_half, x32 * cos - y32 * sin, x32 * cos + y32 * sin)
+    finished = jnp.where(rotated, rot.astype(q_ref.dtype), normed_x.astype(q_ref.dtype))
+
+    q_at = (t * n + j) * head_dim + dims
+    plgpu.store(q_ref.at[jnp.where(ok & is_q, q_at, sizes[0])], finished, mask=ok & is_q)
     slot = slots_ref[t]
     kv_head = jnp.where(is_v, j - n - k, j - n)
-    row_at = (slot * k + kv_head) * head_dim + cols
-    for cache_ref, wanted, lo, hi in ((k_cache_ref, ~is_q & ~is_v, rot_a, rot_b), (v_cache_ref, is_v, a, b)):
+    row_at = (slot * k + kv_head) * head_dim + dims
+    for cache_ref, wanted, row in ((k_cache_ref, ~is_q & ~is_v, finished), (v_cache_ref, is_v, x)):
         store = ok & wanted & (slot >= 0)
-        plgpu.store(cache_ref.at[jnp.where(store, row_at, sizes[1])], lo.astype(cache_ref.dtype), mask=store)
-        plgpu.store(cache_ref.at[jnp.where(store, row_at + half, sizes[1])], hi.astype(cache_ref.dtype), mask=store)
+        plgpu.store(cache_ref.at[jnp.where(store, row_at, sizes[1])], row.astype(cache_ref.dtype), mask=store)
 
 
 def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH, v_cache_XKH,
                         *, num_heads: int, interpret: bool | None = None):
     """`finish_heads_reference` (same arguments and results) as one kernel writing the caches
-    in place (donate them, or keep them loop-carried, or XLA copies them first). Heads
-    rotated in part (partial rotary: a table narrower than half a head) take the reference,
-    whose XLA kernels cost little beside the few attention layers of such models. interpret:
+    in place (donate them, or keep them loop-carried, or XLA copies them first); a table
+    narrower than half a head (partial rotary) rotates that many leading pairs. interpret:
     None runs compiled on a GPU backend and in interpret mode elsewhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -129,9 +133,8 @@ def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, sl
                          f"{v_cache_XKH.shape}: pass [T, U + 2K, H] heads with an even H and equal [X, K, H] caches.")
     if (q_weight_H is None) != (k_weight_H is None):
         raise ValueError("pass both q/k norm weights (Qwen3) or neither (Llama).")
-    if 2 * cos_TZ.shape[-1] != head_dim:
-        return finish_heads_reference(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, slots_T, k_cache_XKH,
-                                      v_cache_XKH, num_heads=num_heads)
+    if 2 * cos_TZ.shape[-1] > head_dim:
+        raise ValueError(f"a rotary table of {cos_TZ.shape[-1]} pairs does not fit heads of {head_dim} dims.")
     qk_norm = q_weight_H is not None
     eps = float(eps)  # a Python number: a traced one would be a constant the kernel captures
     if not interpret:
@@ -143,7 +146,8 @@ def finish_heads_pallas(qkv_TYH, cos_TZ, sin_TZ, q_weight_H, k_weight_H, eps, sl
     q_dtype = jnp.result_type(qkv_TYH.dtype, *(w.dtype for w in weights))
     q, k_cache, v_cache = pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          block_f=next_pow2(head_dim // 2), eps=eps, qk_norm=qk_norm, sizes=(q_size, cache_size)),
+                          rotary_half=cos_TZ.shape[-1], block_h=next_pow2(head_dim), eps=eps, qk_norm=qk_norm,
+                          sizes=(q_size, cache_size)),
         out_shape=[jax.ShapeDtypeStruct((q_size,), q_dtype), jax.ShapeDtypeStruct((cache_size,), k_cache_XKH.dtype),
                    jax.ShapeDtypeStruct((cache_size,), v_cache_XKH.dtype)],
         grid=(num_tokens, num_all_heads),

@@ -17,15 +17,19 @@ from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_refere
 from test_generate import PROMPTS, biased_target
 
 EPS = 1e-6
-# (query heads, kv heads, head_dim): grouped heads, SmolLM2's (not powers of two), and a
-# head_dim whose half (6) pads to a power of two; the GPU test adds Qwen3-8B's (32, 8, 128)
-SHAPES = [(4, 2, 16), (9, 3, 64), (3, 1, 12)]
+# (query heads, kv heads, head_dim[, rotary pairs]): grouped heads, SmolLM2's (not powers of
+# two), a head_dim (12) that pads to a power of two, and partial rotary (Qwen3.5 rotates a
+# quarter of each head: 4 of 16 pairs here; 3 of 6 in a padded head); the GPU test adds
+# Qwen3-8B's (32, 8, 128) and Qwen3.5-9B's (16, 4, 256, 32)
+SHAPES = [(4, 2, 16), (9, 3, 64), (3, 1, 12), (4, 2, 32, 4), (3, 1, 12, 3)]
 
 
-def inputs(num_heads, num_kv_heads, head_dim, dtype, *, qk_norm, seed=0, num_tokens=5, num_slots=24):
+def inputs(num_heads, num_kv_heads, head_dim, rotary_pairs=None, *, dtype, qk_norm, seed=0, num_tokens=5,
+           num_slots=24):
     rng = np.random.default_rng(seed)
     qkv = jnp.asarray(rng.normal(size=(num_tokens, num_heads + 2 * num_kv_heads, head_dim)) * 3, dtype)
-    angles = rng.integers(0, 5000, num_tokens)[:, None] / 10000 ** (np.arange(0, head_dim, 2) / head_dim)
+    rotary = 2 * (rotary_pairs or head_dim // 2)
+    angles = rng.integers(0, 5000, num_tokens)[:, None] / 10000 ** (np.arange(0, rotary, 2) / rotary)
     cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
     weights = tuple(jnp.asarray(1 + 0.3 * rng.normal(size=head_dim), dtype) for _ in range(2)) if qk_norm else (None, None)
     slots = jnp.asarray(rng.permutation(num_slots)[:num_tokens], jnp.int32).at[1].set(-1)  # token 1: padding
@@ -41,8 +45,12 @@ def oracle(qkv, cos, sin, q_weight, k_weight, eps, slots, k_cache, v_cache, *, n
     q, key, value = x[:, :num_heads], x[:, num_heads : num_heads + k], x[:, num_heads + k :]
     if q_weight is not None:
         q, key = (f64(w) * h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) for h, w in ((q, q_weight), (key, k_weight)))
-    half = x.shape[-1] // 2
-    rotate = lambda h: np.concatenate([h[..., :half] * cos - h[..., half:] * sin, h[..., half:] * cos + h[..., :half] * sin], -1)  # noqa: E731
+    z = cos.shape[-1]  # rotary pairs: dims past 2z pass through
+
+    def rotate(h):
+        a, b = h[..., :z], h[..., z: 2 * z]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin, h[..., 2 * z:]], -1)
+
     k_cache, v_cache = f64(k_cache).copy(), f64(v_cache).copy()
     slots = np.asarray(slots)
     k_cache[slots[slots >= 0]], v_cache[slots[slots >= 0]] = rotate(key)[slots >= 0], value[slots >= 0]
@@ -66,7 +74,7 @@ def check(got, args, num_heads, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_kernel_matches_reference_and_oracle(shape, dtype, qk_norm):
-    args = inputs(*shape, dtype, qk_norm=qk_norm)
+    args = inputs(*shape, dtype=dtype, qk_norm=qk_norm)
     got = finish_heads_pallas(*args, num_heads=shape[0], interpret=True)
     check(got, args, shape[0], dtype)
     slots = np.asarray(args[6])
@@ -76,9 +84,12 @@ def test_kernel_matches_reference_and_oracle(shape, dtype, qk_norm):
 
 
 def test_rejects_heads_that_do_not_fit_the_caches():
-    args = inputs(4, 2, 16, "float32", qk_norm=True)
+    args = inputs(4, 2, 16, dtype="float32", qk_norm=True)
     with pytest.raises(ValueError, match="does not fit 5 query heads"):
         finish_heads_pallas(*args, num_heads=5, interpret=True)
+    wide = jnp.ones((args[1].shape[0], 9), jnp.float32)
+    with pytest.raises(ValueError, match="a rotary table of 9 pairs does not fit heads of 16 dims"):
+        finish_heads_pallas(args[0], wide, wide, *args[3:], num_heads=4, interpret=True)
     with pytest.raises(ValueError, match="both q/k norm weights"):
         finish_heads_pallas(*args[:4], None, *args[5:], num_heads=4, interpret=True)
 
@@ -110,13 +121,15 @@ def test_fused_heads_keep_greedy_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype):
-    """Qwen3-8B's heads (32 query, 8 kv, 128 wide) at 300 tokens."""
+@pytest.mark.parametrize("shape", [(32, 8, 128), (16, 4, 256, 32)], ids=["qwen3-8b", "qwen3_5-9b"])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, shape):
+    """Qwen3-8B's heads (32 query, 8 kv, 128 wide) and Qwen3.5-9B's (a quarter rotated) at 300
+    tokens."""
     from conftest import triton_calls_for_cuda
 
-    qkv, cos, sin, q_weight, k_weight, eps, *rest = inputs(32, 8, 128, dtype, qk_norm=True, num_tokens=300,
+    qkv, cos, sin, q_weight, k_weight, eps, *rest = inputs(*shape, dtype=dtype, qk_norm=True, num_tokens=300,
                                                            num_slots=512)
-    kernel = lambda *a: finish_heads_pallas(*a[:5], eps, *a[5:], num_heads=32, interpret=False)  # noqa: E731
+    kernel = lambda *a: finish_heads_pallas(*a[:5], eps, *a[5:], num_heads=shape[0], interpret=False)  # noqa: E731
     assert triton_calls_for_cuda(kernel, qkv, cos, sin, q_weight, k_weight, *rest) == 1
 
 
@@ -124,9 +137,9 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_kernel_on_gpu(dtype):
-    for shape, num_tokens in [(s, 5) for s in SHAPES] + [((32, 8, 128), 1), ((32, 8, 128), 300)]:
+    for shape, num_tokens in [(s, 5) for s in SHAPES] + [((32, 8, 128), 1), ((32, 8, 128), 300), ((16, 4, 256, 32), 17)]:
         for qk_norm in (True, False):
-            args = inputs(*shape, dtype, qk_norm=qk_norm, num_tokens=num_tokens, num_slots=512)
+            args = inputs(*shape, dtype=dtype, qk_norm=qk_norm, num_tokens=num_tokens, num_slots=512)
             kernel = jax.jit(lambda *a, n=shape[0]: finish_heads_pallas(*a[:5], EPS, *a[6:], num_heads=n))
             got = kernel(*args)  # eps stays a Python float (a traced one would be a captured constant)
             check(got, args, shape[0], dtype)

@@ -198,7 +198,7 @@ def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accept
 def test_the_delta_rule_kernel_decodes_alike(decoding_pair):
     """The Pallas rule (interpret mode here) in the verify pass and the commit over kept tokens,
     the jnp reference for the autoregressive tokens it must equal; the heads' Pallas finish
-    hands partly rotated heads to its reference."""
+    (interpret mode) rotating a quarter of each head (partial RoPE)."""
     _, target, drafter, _ = decoding_pair
     want = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12).token_ids
     spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4,
