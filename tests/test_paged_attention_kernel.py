@@ -321,8 +321,10 @@ def test_bad_inputs_are_value_errors():
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("heads", ["qwen3-8b", "qwen3_5-9b", "gpt-oss-20b"])
-@pytest.mark.parametrize("kv_splits", [1, 16])
-def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(heads, kv_splits):
+@pytest.mark.parametrize("settings", [dict(kv_splits=1), dict(kv_splits=16),
+                                      dict(kv_splits=16, pages_ahead=True, num_stages=3)],
+                         ids=["splits1", "splits16", "splits16_ahead_stages3"])
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(heads, settings):
     """A 17-row verify block over 32k keys with each model's heads (query heads, kv heads, head
     dim; gpt-oss: a 128-key window and sinks) lowers for CUDA to one Triton call (the splits'
     merge is XLA's)."""
@@ -339,7 +341,7 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(heads, kv_splits):
     sinks = [S((num_heads,), jnp.float32)] if heads == "gpt-oss-20b" else []
 
     def kernel(*a):
-        return paged_attention_pallas(*a[:7], page_size=page_size, rule=rule, kv_splits=kv_splits, interpret=False,
+        return paged_attention_pallas(*a[:7], page_size=page_size, rule=rule, **settings, interpret=False,
                                       sinks_U=a[7] if sinks else None)
 
     assert triton_calls_for_cuda(kernel, *arrays, *sinks) == 1

@@ -128,7 +128,10 @@ LONG_SWEEP_SETTINGS = (
     + tuple(dict(block_k=k, kv_splits=s, num_stages=1, num_warps=4, pages_ahead=a)
             for k in (64, 128) for s in (32, 64, 128) for a in (False, True))
     + tuple(dict(block_k=64, kv_splits=32, num_stages=n, num_warps=8, pages_ahead=a)
-            for n in (3, 4) for a in (False, True)))
+            for n in (3, 4) for a in (False, True))
+    # query blocks of 8 tokens: a 16-row block as two programs of half the rows each (smaller
+    # accumulators; the second reads its keys from L2 if the two run together)
+    + tuple(dict(block_q=8, block_k=64, kv_splits=32, num_stages=n, num_warps=4, pages_ahead=True) for n in (2, 3)))
 
 def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, side="target",
           query_rows=(1, 16)):
@@ -152,17 +155,21 @@ def sweep(rng, reps, chain, min_cache_bytes, model="qwen3-8b", contexts=None, si
         inputs = (point["q"], point["q_pos"], point["q_req"], k0, v0, point["table"], point["seq_lens"])
         want = np.asarray(jax.jit(attention_fn("reference", page_size))(*inputs).astype(jnp.float32))
         for settings in settings_list:
-            def fn(q, pos, req, k, v, table, lens, blocks=None):
+            kernel_settings = {name: value for name, value in settings.items() if name != "block_q"}
+            setting_block_q = max(settings.get("block_q", block_q), 16 // group_pad)
+
+            def fn(q, pos, req, k, v, table, lens, blocks=None, block_q=setting_block_q, kernel_settings=kernel_settings):
                 return paged_attention_pallas(q, pos, req, k, v, table, lens, page_size=page_size, rule=CAUSAL,
-                                              block_q=block_q, blocks=blocks, **settings)
+                                              block_q=block_q, blocks=blocks, **kernel_settings)
 
             def with_blocks(q, pos, req, k, v, table, lens):
-                return fn(q, pos, req, k, v, table, lens, blocks=query_blocks(req, block_q))
+                return fn(q, pos, req, k, v, table, lens, blocks=query_blocks(req, setting_block_q))
 
             try:
                 got = np.asarray(jax.jit(with_blocks)(*inputs).astype(jnp.float32))
-                median, low, _ = time_fn(fn, point, reps, chain, blocks_q=block_q)
-                row = dict(batch=batch, context=context, query_rows=rows, **settings, us=1e6 * median,
+                median, low, _ = time_fn(fn, point, reps, chain, blocks_q=setting_block_q)
+                row = dict(batch=batch, context=context, query_rows=rows, **kernel_settings, block_q=setting_block_q,
+                           us=1e6 * median,
                            us_min=1e6 * low, max_abs_err=float(np.max(np.abs(got - want))))
             except Exception as error:  # a setting Triton cannot compile: record it, go on
                 row = dict(batch=batch, context=context, query_rows=rows, **settings,
@@ -209,10 +216,10 @@ def main(argv=None):
                      tuple(int(r) for r in args.rows.split(",")))
         record.write(dict(reps=reps, chain=chain, model=args.model, sweep=rows))
         for r in rows:
-            settings = (f"block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
+            settings = (f"block_q={r.get('block_q', 'auto')} block_k={r['block_k']} S={r['kv_splits']} stages={r['num_stages']} "
                         f"warps={r.get('num_warps', 'auto')} ahead={int(r.get('pages_ahead', False))}")
             timing = f"{r['us']:8.1f} us (min {r['us_min']:.1f}) err {r['max_abs_err']:.1e}" if "us" in r else r["error"]
-            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<49} {timing}")
+            print(f"B{r['batch']:<3} ctx {r['context']:<5} q{r['query_rows']:<3} {settings:<61} {timing}")
         return 0
     results = []
     for rows in query_rows:
