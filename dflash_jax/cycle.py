@@ -400,7 +400,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     if rows_before is not None:  # the states after the kept tokens only: rejected drafts leave no trace
         rows_after = states_after(rule_passes) if known_kept_T is not None else advanced_rows(
             rows_before, rule_passes, batch.target.rows, batch.target.query_start_loc[:-1], kept_tokens(batch, count_R),
-            commits_R, cfg.kernels)
+            commits_R)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
             lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
         if state.saved_recurrent is not None and batch.save_R is not None:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas, chunked_delta_rule_reference
+from pallas_kernels.conv_delta_rule import conv_delta_rule_pallas
 from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
 from pallas_kernels.finish_heads import finish_heads_pallas, finish_heads_reference
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
@@ -48,7 +49,7 @@ CHOICES = {
     "heads": ("auto", "reference", "pallas"),
     "quantized": ("auto", "reference", "pallas"),
     "experts": ("auto", "reference", "pallas"),
-    "recurrence": ("auto", "reference", "pallas"),
+    "recurrence": ("auto", "reference", "pallas", "fused"),
     "prefill_rule": ("auto", "chunks", "tokens"),
 }
 # What "auto" means: (on a GPU, elsewhere). Long prefill rows walk token by token on a GPU,
@@ -59,7 +60,8 @@ AUTO = {name: ("pallas", "reference") for name in CHOICES} | {"prefill_rule": ("
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
-    "triton", the jax-triton kernel). Hashable: a static jit argument."""
+    "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
+    its own inputs, convolution and norms, on one device). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -128,7 +130,14 @@ class Kernels:
     @property
     def delta_rule(self):
         """`delta_rule_reference`'s signature: the gated delta rule over ragged rows."""
-        return delta_rule_pallas if self._chosen("recurrence") == "pallas" else delta_rule_reference
+        return delta_rule_reference if self._chosen("recurrence") == "reference" else delta_rule_pallas
+
+    @property
+    def conv_delta_rule(self):
+        """`conv_delta_rule_pallas` (the rule with its convolution and norms in the kernel)
+        where `recurrence` is "fused", else None (the convolution and norms in jnp, then
+        `delta_rule`)."""
+        return conv_delta_rule_pallas if self._chosen("recurrence") == "fused" else None
 
     @property
     def chunked_delta_rule(self):
@@ -136,7 +145,7 @@ class Kernels:
         prefill rows; None where `prefill_rule` walks them token by token too."""
         if self._chosen("prefill_rule") == "tokens":
             return None
-        return chunked_delta_rule_pallas if self._chosen("recurrence") == "pallas" else chunked_delta_rule_reference
+        return chunked_delta_rule_reference if self._chosen("recurrence") == "reference" else chunked_delta_rule_pallas
 
     def paged_attention(self, q_req_T, *, num_rows: int, num_kv_heads: int, group: int, dtype):
         """`paged_attention_reference` (same arguments) as this value's attention computes
@@ -180,7 +189,8 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton); auto, "
+        "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
+        "recurrence also fused: the convolution and norms inside the rule's kernel); auto, "
         "the default, is Pallas on a GPU and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

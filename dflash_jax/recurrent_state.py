@@ -7,8 +7,8 @@ runs the rule twice: once over every token of the batch for the outputs (each to
 state after the tokens before it in its row), which commits the states of the rows that keep
 all their tokens (prefill chunks) and leaves the verify rows' as they were; then, once the
 accepted lengths are known, over each verify row's anchor and accepted drafts
-(`advancing_T`) for the state it commits, from the queries, keys and values the first pass
-kept (`RulePass`). Rejected drafts leave no trace, and no state is copied or walked twice.
+(`advancing_T`) for the state it commits, over the inputs the first pass prepared
+(`RulePass.walk`). Rejected drafts leave no trace, and no state is copied or walked twice.
 A step without drafts knows the tokens it keeps beforehand, and its one pass leaves the
 states to commit. Long prefill chunks go through the rule in chunks of tokens (products in
 place of a walk over every token); decode and verify rows always take the walk.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,13 +76,12 @@ def recurrent_state_bytes(cfg: TargetConfig, num_slots: int, dtype) -> int:
 @dataclasses.dataclass(frozen=True)
 class RulePass:
     """One gated-delta-net layer's rule over a batch, as a commit needs it: the layer's inputs,
-    the queries, keys (prepared) and values the convolution gave, and each row's state after
-    the tokens that advanced it."""
+    `walk(delta_RHKV, starts_R, ends_R)`, the states after each row's `[start, end)` tokens of
+    this batch from `delta_RHKV` (the rule again, over the inputs the pass prepared), and each
+    row's state after the tokens that advanced it."""
 
     inputs: RecurrentInputs
-    q_THK: jax.Array
-    k_THK: jax.Array
-    v_THV: jax.Array
+    walk: Callable
     after: tuple[jax.Array, jax.Array]  # (history [R, taps - 1, C], delta [R, value heads, key dim, value dim])
     # after the tokens that advanced each row (the delta as it was in rows that do not commit)
 
@@ -161,6 +161,16 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     (`rule_by_rows`, with `asks_for_chunks`)."""
     cfg = inputs.cfg
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
+    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
+    history = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R)
+    fused = kernels.conv_delta_rule if inputs.mesh is None else None
+    if fused is not None and (prefill_R is None or num_tokens < CHUNK or kernels.chunked_delta_rule is None):
+        def walk(delta_RHKV, starts_R, ends_R, outputs=False, commits_R=None):
+            return fused(inputs.mixed_TC, history_RKC, inputs.conv_weight_C1K, inputs.g_TV, inputs.beta_TV, delta_RHKV,
+                         starts_R, ends_R, num_key_heads=cfg.num_key_heads, outputs=outputs, commits_R=commits_R)
+
+        out_THV, delta_RHKV = walk(delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R, True, commits_R)
+        return out_THV, RulePass(inputs, lambda *rows: walk(*rows)[1], (history, delta_RHKV))
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
 
     def earlier(offset):  # the input `offset` tokens before each token: in the batch, or the row's history
@@ -171,16 +181,15 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     conv_TC = causal_conv_taps([earlier(taps - 1 - j) for j in range(taps)], inputs.conv_weight_C1K)
     q_THK, k_THK, v_THV = split_heads(conv_TC, cfg, inputs.shards)
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
-    v_THV = v_THV.astype(jnp.float32)
-    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
-    out_THV, delta_RHKV = rule_by_rows(inputs, kernels, q_THK, k_THK, v_THV, delta_RHKV.astype(jnp.float32), starts_R,
+    rule_inputs = (q_THK, k_THK, v_THV.astype(jnp.float32), inputs.g_TV, inputs.beta_TV)
+    out_THV, delta_RHKV = rule_by_rows(inputs, kernels, *rule_inputs[:3], delta_RHKV.astype(jnp.float32), starts_R,
                                        starts_R + kept_R, commits_R, prefill_R, asks_for_chunks)
-    after = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R), delta_RHKV
-    return out_THV, RulePass(inputs, q_THK, k_THK, v_THV, after)
+    by_token = sharded_rule(inputs, kernels.delta_rule, delta_rule_reference, outputs=False)
+    return out_THV, RulePass(inputs, lambda *rows: by_token(*rule_inputs, *rows)[1], (history, delta_RHKV))
 
 
-def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T, commits_R,
-                  kernels: Kernels) -> RecurrentState:
+def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, starts_R, advancing_T,
+                  commits_R) -> RecurrentState:
     """Each batch row's state after the tokens it keeps (`advancing_T`), from the passes
     (`ragged_rule` with `commits_R`) and `rows` (the states before the batch): rows whose pass
     committed keep its state; in the others the rule runs again over their kept tokens alone,
@@ -189,9 +198,7 @@ def advanced_rows(rows: RecurrentState, passes: tuple[RulePass, ...], rows_T, st
     history, delta = [], []
     for p, history_RKC in zip(passes, rows.history):
         history.append(history_after(p.inputs.mixed_TC, history_RKC, starts_R, kept_R))
-        delta.append(sharded_rule(p.inputs, kernels.delta_rule, delta_rule_reference, outputs=False)(
-            p.q_THK, p.k_THK, p.v_THV, p.inputs.g_TV, p.inputs.beta_TV, p.after[1], starts_R,
-            starts_R + jnp.where(commits_R, 0, kept_R))[1])
+        delta.append(p.walk(p.after[1], starts_R, starts_R + jnp.where(commits_R, 0, kept_R)))
     return RecurrentState(tuple(history), tuple(delta))
 
 

@@ -68,14 +68,9 @@ def delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_
     return (out_THV if outputs else jnp.zeros_like(out_THV)), after_RHKV
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, commits_ref, out_ref, state_ref,
-            *, repeat: int, block_v: int, unroll: int, write_out: bool):
-    row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    key_head = head // repeat
-    cols = pl.ds(col_block * block_v, block_v)
-
-    def token(t):
-        return k_ref[t, key_head, :], q_ref[t, key_head, :], v_ref[t, head, cols], g_ref[t, head], beta_ref[t, head]
+def make_advance(out_ref, head, cols, write_out: bool):
+    """`advance(t, state_KV, inputs)`: one token of the rule on a program's [key dim,
+    block_v] slice of S (inputs: k, q, v, g, beta), writing its output at (t, head, cols)."""
 
     def advance(t, state_KV, inputs):
         k_K, q_K, v_V, g, beta = inputs
@@ -86,20 +81,69 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends
             out_ref[t, head, cols] = jnp.sum(state_KV * q_K[:, None], axis=0)
         return state_KV
 
+    return advance
+
+
+def walk_row(start, end, state_KV, token, advance, unroll: int):
+    """The state after tokens [start, end): in runs of `unroll` tokens whose inputs
+    (`token(t)`, independent of the state) are loaded before the run's chain of updates,
+    then the last tokens one at a time."""
+
     def run(first, state_KV):
         tokens = [token(first + i) for i in range(unroll)]  # loads issued before the chain of updates
         for i, inputs in enumerate(tokens):
             state_KV = advance(first + i, state_KV, inputs)
         return state_KV
 
-    start, end = starts_ref[row], ends_ref[row]
     runs = (end - start) // unroll
-    state_KV = lax.fori_loop(0, runs, lambda i, s: run(start + i * unroll, s), state_in_ref[row, head, :, cols])
-    state_KV = lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)), state_KV)
+    state_KV = lax.fori_loop(0, runs, lambda i, s: run(start + i * unroll, s), state_KV)
+    return lax.fori_loop(start + runs * unroll, end, lambda t, s: advance(t, s, token(t)), state_KV)
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, starts_ref, ends_ref, commits_ref, out_ref, state_ref,
+            *, repeat: int, block_v: int, unroll: int, write_out: bool):
+    row, head, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    key_head = head // repeat
+    cols = pl.ds(col_block * block_v, block_v)
+
+    def token(t):
+        return k_ref[t, key_head, :], q_ref[t, key_head, :], v_ref[t, head, cols], g_ref[t, head], beta_ref[t, head]
+
+    state_KV = walk_row(starts_ref[row], ends_ref[row], state_in_ref[row, head, :, cols], token,
+                        make_advance(out_ref, head, cols, write_out), unroll)
 
     @pl.when(commits_ref[row] != 0)  # else the row's state stays as it came in (the output aliases it)
     def _():
         state_ref[row, head, :, cols] = state_KV
+
+
+def rule_call(kernel, inputs, state_RHKV, starts_R, ends_R, *, num_tokens: int, key_dim: int, block_v: int,
+              unroll: int | None, outputs: bool, commits_R, num_warps: int, interpret: bool | None, name: str):
+    """(out [T, value heads, value dim] float32, state) of a rule kernel over a program per
+    (row, value head, `block_v` value columns) whose arguments are `inputs`, then the state,
+    starts, ends and commits (`functools.partial` of a kernel taking `unroll` and
+    `write_out`); checks the tiling, defaults `unroll`, zeroes the outputs of tokens in no row."""
+    R, H, _, V = state_RHKV.shape
+    if not (is_pow2(key_dim) and is_pow2(block_v)) or V % block_v:
+        raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({key_dim}) and value columns in "
+                         f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
+    if unroll is None:
+        unroll = UNROLL if R * H * (V // block_v) <= UNROLL_MAX_PROGRAMS else 1
+    commits_R = jnp.ones((R,), jnp.int32) if commits_R is None else commits_R.astype(jnp.int32)
+    out, state = pl.pallas_call(
+        functools.partial(kernel, unroll=unroll, write_out=outputs),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, H, V), jnp.float32),
+                   jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
+        grid=(R, H, V // block_v),
+        interpret=runs_interpreted(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        input_output_aliases={len(inputs): 1},
+        name=name,
+    )(*inputs, state_RHKV.astype(jnp.float32), starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), commits_R)
+    if not outputs:
+        return jnp.zeros_like(out), state
+    _, in_row_T = token_rows(starts_R, ends_R, num_tokens)
+    return jnp.where(in_row_T[:, None, None], out, 0), state
 
 
 def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, ends_R, *, outputs: bool = True,
@@ -110,25 +154,9 @@ def delta_rule_pallas(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R, 
     interpret mode elsewhere. unroll: tokens per run (None: `UNROLL` where the
     call has at most `UNROLL_MAX_PROGRAMS` programs, else 1)."""
     T, Hk, K = q_THK.shape
-    R, H, _, V = state_RHKV.shape
+    H, V = state_RHKV.shape[1], state_RHKV.shape[3]
     block_v = min(block_v, V)
-    if not (is_pow2(K) and is_pow2(block_v)) or V % block_v:
-        raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({K}) and value columns in "
-                         f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
-    interpret = runs_interpreted(interpret)
-    if unroll is None:
-        unroll = UNROLL if R * H * (V // block_v) <= UNROLL_MAX_PROGRAMS else 1
-    commits_R = jnp.ones((R,), jnp.int32) if commits_R is None else commits_R.astype(jnp.int32)
-    out, state = pl.pallas_call(
-        functools.partial(_kernel, repeat=H // Hk, block_v=block_v, unroll=unroll, write_out=outputs),
-        out_shape=(jax.ShapeDtypeStruct((T, H, V), jnp.float32), jax.ShapeDtypeStruct(state_RHKV.shape, jnp.float32)),
-        grid=(R, H, V // block_v),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        input_output_aliases={5: 1},
-        name="gated_delta_rule",
-    )(q_THK, k_THK, v_THV, g_TH, beta_TH, state_RHKV, starts_R.astype(jnp.int32), ends_R.astype(jnp.int32), commits_R)
-    if not outputs:
-        return jnp.zeros_like(out), state
-    _, in_row_T = token_rows(starts_R, ends_R, T)
-    return jnp.where(in_row_T[:, None, None], out, 0), state
+    return rule_call(functools.partial(_kernel, repeat=H // Hk, block_v=block_v), (q_THK, k_THK, v_THV, g_TH, beta_TH),
+                     state_RHKV, starts_R, ends_R, num_tokens=T, key_dim=K, block_v=block_v, unroll=unroll,
+                     outputs=outputs, commits_R=commits_R, num_warps=num_warps, interpret=interpret,
+                     name="gated_delta_rule")

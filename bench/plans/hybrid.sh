@@ -3,11 +3,13 @@
 # bench.decode.speed on the Qwen3.5-9B shape (AR step and DFlash cycle at each of POINTS, with
 # the Pallas rule), the same steps at 1x1k with the jnp reference rule, the rule alone
 # (bench.kernels.delta_rule, with the kernel settings in VARIANTS), and with PARTS naming them:
-# `profile` (device events per iteration at the first of POINTS) and `sweep` (the attention
-# kernel's settings at 32k with the target's and the drafter's heads, SIDES).
+# `profile` (device events per iteration at the first of POINTS), `sweep` (the attention
+# kernel's settings at 32k with the target's and the drafter's heads, SIDES) and `fused`
+# (generate at POINTS with the rule's convolution and norms in its kernel, recurrence=fused,
+# to compare with `steps`; PROFILE_KERNELS=recurrence=fused profiles that form).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
-#                                               # PARTS (tests,steps,reference,kernel; also profile,sweep),
+#                                               # PARTS (tests,steps,reference,kernel; also fused,profile,sweep),
 #                                               # LIMIT (s, the steps), VARIANTS (u1,u4v8w1,...),
 #                                               # CHUNKED (the chunked form's v<cols>w<warps>,...),
 #                                               # SHAPES (the rule's rows x tokens), TESTS (test files)
@@ -20,7 +22,7 @@ shape=$(big qwen3_5-9b small-qwen3_5)
 if [[ $parts == *tests* ]]; then
     echo "== gpu tests"
     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        ${TESTS:-tests/test_delta_rule_kernel.py tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py} \
+        ${TESTS:-tests/test_delta_rule_kernel.py tests/test_conv_delta_rule_kernel.py tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py tests/test_finish_heads_kernel.py} \
         > "$out/gpu_tests.log" 2>&1
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
@@ -39,9 +41,13 @@ if [[ $parts == *kernel* ]]; then
         --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
+if [[ $parts == *fused* ]]; then  # the rule with its convolution and norms in the kernel, beside `steps`' runs
+    decode hybrid-fused ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels recurrence=fused \
+        --sections generate --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 ))
+fi
 if [[ $parts == *profile* ]]; then
     decode hybrid-profile 200 "" --model "$shape" --points "$(big "${points%%,*}" 1x128)" --sections generate \
-        --profile --block-sizes "${blocks%%,*}"
+        --profile --block-sizes "${blocks%%,*}" ${PROFILE_KERNELS:+--kernels $PROFILE_KERNELS}
     grep -E "^- (gated|paged|memcpy)|^\| 1x" "$out/hybrid-profile.log"
 fi
 if [[ $parts == *sweep* ]]; then
