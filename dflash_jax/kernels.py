@@ -61,7 +61,7 @@ AUTO = {name: ("pallas", "reference") for name in CHOICES} | {"prefill_rule": ("
 class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
-    its own inputs, convolution and norms, on one device). Hashable: a static jit argument."""
+    its own inputs, convolution and norms). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"

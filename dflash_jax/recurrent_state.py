@@ -105,6 +105,30 @@ def sharded_rule(inputs: RecurrentInputs, rule, reference, *, outputs: bool = Tr
         q, k, v, g[..., None], beta[..., None], delta, (starts, ends, commits_R))
 
 
+def sharded_conv_rule(inputs: RecurrentInputs, fused, history_RKC):
+    """`walk(delta_RHKV, starts_R, ends_R, outputs=False, commits_R=None)`: `fused`
+    (`conv_delta_rule_pallas`) over the layer's channels continuing `history_RKC`; where the
+    heads are split over a mesh, once per shard on the shard's channels, heads and states."""
+    cfg = inputs.cfg
+    if inputs.mesh is None:
+        def walk(delta_RHKV, starts_R, ends_R, outputs=False, commits_R=None):
+            return fused(inputs.mixed_TC, history_RKC, inputs.conv_weight_C1K, inputs.g_TV, inputs.beta_TV, delta_RHKV,
+                         starts_R, ends_R, num_key_heads=cfg.num_key_heads, outputs=outputs, commits_R=commits_R)
+        return walk
+    # per_shard splits the second axis: channels and heads go there, then back inside each shard
+    channels, taps = inputs.mixed_TC.shape[1], cfg.conv_kernel_size
+    split_inputs = (inputs.mixed_TC[..., None], jnp.swapaxes(history_RKC, 1, 2),
+                    inputs.conv_weight_C1K.reshape(1, channels, taps), inputs.g_TV[..., None], inputs.beta_TV[..., None])
+
+    def walk(delta_RHKV, starts_R, ends_R, outputs=False, commits_R=None):
+        def local(mixed_TC1, history_RCK, weight_1CK, g_TV1, beta_TV1, delta_RHKV, rows):
+            return fused(mixed_TC1[..., 0], jnp.swapaxes(history_RCK, 1, 2), weight_1CK[0][:, None, :], g_TV1[..., 0],
+                         beta_TV1[..., 0], delta_RHKV, *rows[:2], num_key_heads=cfg.num_key_heads // inputs.shards,
+                         outputs=outputs, commits_R=rows[2])
+        return per_shard(inputs.mesh, local, 6)(*split_inputs, delta_RHKV, (starts_R, ends_R, commits_R))
+    return walk
+
+
 def rule_by_rows(inputs: RecurrentInputs, kernels: Kernels, q_THK, k_THK, v_THV, delta_RHKV, starts_R, ends_R,
                  commits_R, prefill_R, asks_for_chunks: bool = True):
     """(out, state) of the rule over each row's `[start, end)` (`delta_rule_reference`'s
@@ -163,12 +187,9 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     history = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R)
-    fused = kernels.conv_delta_rule if inputs.mesh is None else None
+    fused = kernels.conv_delta_rule if inputs.mesh is None or inputs.shards > 1 else None
     if fused is not None and (prefill_R is None or num_tokens < CHUNK or kernels.chunked_delta_rule is None):
-        def walk(delta_RHKV, starts_R, ends_R, outputs=False, commits_R=None):
-            return fused(inputs.mixed_TC, history_RKC, inputs.conv_weight_C1K, inputs.g_TV, inputs.beta_TV, delta_RHKV,
-                         starts_R, ends_R, num_key_heads=cfg.num_key_heads, outputs=outputs, commits_R=commits_R)
-
+        walk = sharded_conv_rule(inputs, fused, history_RKC)
         out_THV, delta_RHKV = walk(delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R, True, commits_R)
         return out_THV, RulePass(inputs, lambda *rows: walk(*rows)[1], (history, delta_RHKV))
     index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row

@@ -259,7 +259,8 @@ def dflash2() -> dict:
 
 def qwen3_5() -> dict:
     """Greedy tokens and accepted lengths of a Qwen3.5 target (a gated-delta-net layer, then a
-    gated attention layer) at TP 1, 2 and 4, its autoregressive tokens at TP 1, and the
+    gated attention layer) at TP 1, 2 and 4 (at 2 also with the Pallas rule, unfused and
+    fused), its autoregressive tokens at TP 1, and the
     devices each holds a slice of the linear-attention heads' parameters and state on; a long
     prompt's tokens (its prefill in chunks) at TP 1 and 2; the greedy tokens of its MoE variant
     at TP 1 and 2."""
@@ -278,8 +279,8 @@ def qwen3_5() -> dict:
         spec = generate(target, drafter, PROMPTS, max_new_tokens=12)
         out[str(tp)] = [spec.token_ids, spec.accepted_lengths]
         if tp == 2:  # the Pallas rule (interpret mode) once per shard of the heads
-            out["pallas 2"] = generate(target, drafter, PROMPTS, max_new_tokens=12,
-                                       kernels=Kernels(recurrence="pallas")).token_ids
+            out["pallas 2"] = [generate(target, drafter, PROMPTS, max_new_tokens=12, kernels=Kernels(recurrence=rule))
+                               .token_ids for rule in ("pallas", "fused")]
             out["engine 2"] = _shared_prefix_engine(target, drafter)
         mixer = target.layers[0].linear_attn
         state = RecurrentState.zeros(target.cfg, 2, target.dtype, target.mesh)
