@@ -31,19 +31,15 @@ from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import MLP, apply_linear, dot_general, linear
 from dflash_jax.sharding import MODEL, tensor_parallel_size
 from pallas_kernels.grouped_matmul import expert_tiles, grouped_tiling, tile_rows
+from pallas_kernels.router import route_reference
 
 
-def route(router_logits, experts: ExpertsConfig, dtype):
+def route(router_logits, experts: ExpertsConfig, dtype, kernel=route_reference):
     """(weights [T, top_k] in `dtype`, expert ids [T, top_k]) from the router's logits [T,
-    num_experts], in float32: Qwen3-MoE's softmax then its top k (renormalised over them when
-    `norm_topk_prob`), or gpt-oss's top k logits then their softmax."""
-    logits = router_logits.astype(jnp.float32)
-    if experts.softmax_after_top_k:
-        top, expert_ids = jax.lax.top_k(logits, experts.top_k)
-        return jax.nn.softmax(top, axis=-1).astype(dtype), expert_ids
-    weights, expert_ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), experts.top_k)
-    if experts.norm_topk_prob:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+    num_experts], in float32 (`pallas_kernels.router`: Qwen3-MoE's softmax then top k, or
+    gpt-oss's top k then softmax); `kernel`: `route_reference` or `route_pallas` (`Kernels.route`)."""
+    weights, expert_ids = kernel(router_logits, experts.top_k, softmax_after_top_k=experts.softmax_after_top_k,
+                                 norm_topk_prob=experts.norm_topk_prob)
     return weights.astype(dtype), expert_ids
 
 
@@ -190,7 +186,8 @@ class RoutedExperts(nnx.Module):
         router_logits = dot_general(x_TD, self.router.kernel[...], (((1,), (0,)), ((), ())))
         if self.experts.bias:
             router_logits = router_logits + self.router.bias[...]
-        weights, expert_ids = route(router_logits, self.experts, x_TD.dtype)
+        router = kernels.route if self.mesh is None else route_reference  # on a mesh XLA partitions the jnp form
+        weights, expert_ids = route(router_logits, self.experts, x_TD.dtype, router)
         names = ("gate_up", "down", "gate_up_bias", "down_bias") if self.experts.bias else ("gate_up", "down")
         params = {name: getattr(self, name)[...] for name in names}
         if self.mesh is None:

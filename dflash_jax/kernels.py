@@ -2,8 +2,8 @@
 
 `Kernels` names the implementation of the seven kernels a step runs: paged attention, the
 DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
-write), the 8-bit weights' product, the routed experts' product and the gated delta rule
-(hybrid targets' linear attention). "auto" has one meaning for all seven: the Pallas kernel
+write), the 8-bit weights' product, the routed experts' product (with their router's top k)
+and the gated delta rule (hybrid targets' linear attention). "auto" has one meaning for all seven: the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
 mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
 could not), while the experts' kernel runs per device inside the expert split and the delta
@@ -40,6 +40,7 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
+from pallas_kernels.router import route_pallas, route_reference
 
 # Implementations each kernel accepts ("auto": see AUTO).
 CHOICES = {
@@ -126,6 +127,12 @@ class Kernels:
         """The routed experts' product: `grouped_matmul_pallas` (pairs in tiles of one expert,
         only the routed experts read), or None for the reference (XLA's `ragged_dot`)."""
         return grouped_matmul_pallas if self._chosen("experts") == "pallas" else None
+
+    @property
+    def route(self):
+        """The MoE router's choice (`route_reference`'s signature): one Pallas kernel beside the
+        experts' Pallas product, else jnp."""
+        return route_pallas if self._chosen("experts") == "pallas" else route_reference
 
     @property
     def delta_rule(self):

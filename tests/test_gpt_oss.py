@@ -71,6 +71,9 @@ def test_logits_and_hidden_states_match_transformers(gpt_oss):
         logits, features = dflash_jax.target_forward(target, IDS, layer_ids=(0,))
         assert rel_err(logits, out.logits[0].numpy()) <= 1e-5
         assert rel_err(features, out.hidden_states[1][0].numpy()) <= 1e-5
+    # the experts' Pallas product and router kernel (interpret mode): top k, then softmax, biases, clamped SwiGLU
+    pallas = dflash_jax.target_forward(converted, IDS, kernels=dflash_jax.Kernels(experts="pallas"))[0]
+    assert rel_err(pallas, out.logits[0].numpy()) <= 1e-5
 
 
 @pytest.mark.slow
