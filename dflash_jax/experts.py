@@ -63,7 +63,8 @@ def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsCon
     "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`
     [T, top_k]; an id equal to the number of experts (one another shard holds) adds nothing.
     `grouped_matmul`: None for XLA's `ragged_dot` over the pairs sorted by expert, or
-    `grouped_matmul_pallas`'s signature over the pairs laid out in tiles of one expert.
+    `grouped_matmul_pallas`'s signature over the pairs laid out in tiles of one expert (the
+    tokens' rows gathered into them by the product).
     Usable under `vmap` (the trainer maps the target over a batch of sequences): neither
     product has a batching rule, but the product is token by token, so a batch of token sets
     is one set of all their tokens."""
@@ -138,7 +139,6 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
     ids = expert_ids.reshape(-1)
     tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts), top_k)
     G, M = tiles.pair_GM.shape
-    x_GMD = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])[tiles.pair_GM // top_k]
 
     def product(rows, name):
         out = grouped_matmul(rows, params[name], tiles, top_k=top_k)
@@ -146,7 +146,7 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
             out = out + params[f"{name}_bias"][tiles.expert_G][:, None, :].astype(jnp.float32)
         return out.astype(x_TD.dtype)
 
-    hidden = swiglu(product(x_GMD, "gate_up").reshape(G * M, -1), experts).reshape(G, M, -1)
+    hidden = swiglu(product(x_TD, "gate_up").reshape(G * M, -1), experts).reshape(G, M, -1)  # the kernel gathers x
     out = product(hidden, "down").reshape(G * M, -1)
     return _weighted_sum(out, weights, tiles.row_P, T, top_k, x_TD.dtype)
 

@@ -1,5 +1,6 @@
 """Rows grouped by expert times their expert's matrix, as one Pallas kernel that reads only the
-experts some row routes to (Triton lowering on a GPU, interpret mode on CPU).
+experts some row routes to (Triton lowering on a GPU, interpret mode on CPU); the rows come
+laid out in tiles, or as token rows the kernel gathers into its tiles itself.
 
 XLA's `ragged_dot` on the GPU streams every expert's matrix whatever the routing, so a decode
 step of a 128-expert model pays for all 128 while its tokens use 8. Here the rows arrive in
@@ -92,10 +93,20 @@ def expert_tiles(expert_ids_P, num_experts: int, block_m: int, top_k: int) -> Ex
                        used_G)
 
 
-def grouped_matmul_reference(x_GMK, weights_EKN, tiles: ExpertTiles):
+def tile_inputs(x, tiles: ExpertTiles, top_k: int):
+    """The rows [G, M, K] a product multiplies: `x` itself if it is laid out in tiles already,
+    else (token rows [T, K]) each tile row's token, zeros where the row is empty."""
+    if x.ndim == 3:
+        return x
+    return jnp.take(x, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
+
+
+def grouped_matmul_reference(x, weights_EKN, tiles: ExpertTiles, top_k: int = 1):
     """x_GMK[g] @ weights_EKN[expert_G[g]] in float32, zeros for unused tiles (jnp: each
-    tile's matrix gathered)."""
-    out = jnp.einsum("gmk,gkn->gmn", x_GMK, weights_EKN[tiles.expert_G], preferred_element_type=jnp.float32)
+    tile's matrix gathered); `x` the tiles' rows [G, M, K] or the token rows [T, K] each
+    pair's tile row takes (`tile_inputs`, with the pairs per token `top_k`)."""
+    out = jnp.einsum("gmk,gkn->gmn", tile_inputs(x, tiles, top_k), weights_EKN[tiles.expert_G],
+                     preferred_element_type=jnp.float32)
     return jnp.where(tiles.used_G[:, None, None], out, 0)
 
 
@@ -105,46 +116,57 @@ def grouped_tiling(K: int, N: int, top_k: int) -> Tiling | None:
     return default_tiling(K, N, None, programs=max(1, 264 // top_k))
 
 
-def _kernel(x_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int, steps: int):
+def _kernel(x_ref, pair_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int, steps: int,
+            token_rows: int, top_k: int):
     col_block, split, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     cols = pl.ds(col_block * bn, bn)
     first_row = expert_ref[g] * K
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # float32 stays float32, not TF32
+    if token_rows:  # each tile row's token, gathered here (an empty row, pair P, reads nothing: zeros)
+        pairs = pair_ref[g, :]
+        filled = pairs < token_rows * top_k
+        token = jnp.where(filled, pairs // top_k, 0)
 
     def step(j, acc):
         k0 = (split * steps + j) * bk
-        x = x_ref[g, :, pl.ds(k0, bk)]
+        if token_rows:
+            x = plgpu.load(x_ref.at[token[:, None], (k0 + jnp.arange(bk))[None, :]], mask=filled[:, None], other=0)
+        else:
+            x = x_ref[g, :, pl.ds(k0, bk)]
         w = w_ref[pl.ds(first_row + k0, bk), cols]
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
     trips = used_ref[g] * steps  # an unused tile: no steps
-    acc = lax.fori_loop(0, trips, step, jnp.zeros((x_ref.shape[1], bn), jnp.float32))
+    acc = lax.fori_loop(0, trips, step, jnp.zeros((pair_ref.shape[1], bn), jnp.float32))
     o_ref[split, g, :, cols] = acc
 
 
-def grouped_matmul_pallas(x_GMK, weights_EKN, tiles: ExpertTiles, *, top_k: int, tiling: Tiling | None = None,
+def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, tiling: Tiling | None = None,
                           interpret: bool | None = None):
     """`grouped_matmul_reference` (same arguments and result) as one kernel reading only the
-    used tiles' experts. A matrix no tile fits takes the reference. top_k: the pairs per
-    token (the tiling's assumed tiles at one token). interpret: None runs compiled on a GPU
-    backend and in interpret mode elsewhere."""
-    G, M, K = x_GMK.shape
+    used tiles' experts; token rows [T, K] are gathered into the tiles by the kernel itself
+    (no laid-out copy). A matrix no tile fits takes the reference. top_k: the pairs per token
+    (the tiling's assumed tiles at one token). interpret: None runs compiled on a GPU backend
+    and in interpret mode elsewhere."""
+    G, M = tiles.pair_GM.shape
+    K = x.shape[-1]
     E, _, N = weights_EKN.shape
     tiling = tiling or grouped_tiling(K, N, top_k)
     if tiling is None:
-        return grouped_matmul_reference(x_GMK, weights_EKN, tiles)
+        return grouped_matmul_reference(x, weights_EKN, tiles, top_k)
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n:
         raise ValueError(f"tiling {tiling} does not divide the experts' matrices [{K}, {N}]; "
                          "use grouped_tiling(K, N, top_k).")
     interpret = runs_interpreted(interpret)
     out = pl.pallas_call(
-        functools.partial(_kernel, tiling=tiling, K=K, steps=K // tiling.block_k // tiling.splits),
+        functools.partial(_kernel, tiling=tiling, K=K, steps=K // tiling.block_k // tiling.splits,
+                          token_rows=x.shape[0] if x.ndim == 2 else 0, top_k=top_k),
         out_shape=jax.ShapeDtypeStruct((tiling.splits, G, M, N), jnp.float32),
         grid=(N // tiling.block_n, tiling.splits, G),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="grouped_matmul",
-    )(x_GMK, weights_EKN.reshape(E * K, N), tiles.expert_G, tiles.used_G.astype(jnp.int32))
+    )(x, tiles.pair_GM, weights_EKN.reshape(E * K, N), tiles.expert_G, tiles.used_G.astype(jnp.int32))
     return out[0] if tiling.splits == 1 else out.sum(axis=0)

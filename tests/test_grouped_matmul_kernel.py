@@ -69,13 +69,21 @@ def test_kernel_computes_its_reference(tiling, dtype):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()  # unused tiles: zeros
+    # token rows gathered into the tiles by the kernel: the product of the laid-out rows, bit for bit
+    x_TK = jax.random.normal(key_x, (9, K), jnp.float32).astype(dtype)
+    laid_out = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
+    np.testing.assert_array_equal(grouped_matmul_pallas(x_TK, weights, tiles, top_k=top_k, tiling=tiling),
+                                  grouped_matmul_pallas(laid_out, weights, tiles, top_k=top_k, tiling=tiling))
+    np.testing.assert_array_equal(grouped_matmul_reference(x_TK, weights, tiles, top_k),
+                                  grouped_matmul_reference(laid_out, weights, tiles))
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("matrix", ["gate_up", "down"])
 def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix):
-    """Qwen3-30B-A3B's experts (128, top 8; gate and up [2048, 1536], down [768, 2048]) at one
-    token (a tile per pair) and 16 (pairs grouped by expert) lower for CUDA to one Triton call."""
+    """Qwen3-30B-A3B's experts (128, top 8; gate and up [2048, 1536] from token rows the kernel
+    gathers, down [768, 2048] from rows laid out in tiles) at one token (a tile per pair) and 16
+    (pairs grouped by expert) lower for CUDA to one Triton call."""
     from conftest import triton_calls_for_cuda
 
     E, top_k = 128, 8
@@ -84,8 +92,9 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix):
     def kernel(x_TK, ids_P, weights_EKN):
         P = ids_P.shape[0]
         tiles = expert_tiles(ids_P, E, tile_rows(P, E), top_k)
-        x_GMK = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)  # empty rows: zeros
-        return grouped_matmul_pallas(x_GMK, weights_EKN, tiles, top_k=top_k, interpret=False)
+        if matrix == "down":  # laid out in tiles (empty rows: zeros)
+            x_TK = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
+        return grouped_matmul_pallas(x_TK, weights_EKN, tiles, top_k=top_k, interpret=False)
 
     arrays = [jax.ShapeDtypeStruct((tokens, K), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * top_k,), jnp.int32),
               jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)]
