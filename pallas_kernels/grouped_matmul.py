@@ -73,21 +73,21 @@ def expert_tiles(expert_ids_P, num_experts: int, block_m: int, top_k: int) -> Ex
     (P,) = expert_ids_P.shape
     valid = expert_ids_P < num_experts
     expert = jnp.minimum(expert_ids_P, num_experts - 1).astype(jnp.int32)
-    if pairs_tile_alone(P, top_k):
-        G = P
-        row_P = jnp.where(valid, jnp.arange(P) * block_m, G * block_m)
-        expert_G, used_G = expert, valid
-    else:
-        G = -(-P // block_m) + min(P, num_experts)
-        one_hot = (expert_ids_P[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
-        running = jnp.cumsum(one_hot, axis=0)  # [P, E]: pairs of each expert so far
-        rank = jnp.take_along_axis(running, expert[:, None], axis=1)[:, 0] - 1
-        tiles = -(-running[-1] // block_m)
-        tile_end = jnp.cumsum(tiles)
-        tile = tile_end[expert] - tiles[expert] + rank // block_m
-        row_P = jnp.where(valid, tile * block_m + rank % block_m, G * block_m)
-        expert_G = jnp.minimum((tile_end[None, :] <= jnp.arange(G)[:, None]).sum(axis=1), num_experts - 1)
-        used_G = jnp.arange(G) < tile_end[-1]
+    if pairs_tile_alone(P, top_k):  # pair p in row 0 of tile p: no scatter needed
+        row_P = jnp.where(valid, jnp.arange(P) * block_m, P * block_m)
+        first_row = (jnp.arange(block_m) == 0)[None, :] & valid[:, None]
+        pair_GM = jnp.where(first_row, jnp.arange(P, dtype=jnp.int32)[:, None], P)
+        return ExpertTiles(pair_GM, row_P.astype(jnp.int32), expert, valid)
+    G = -(-P // block_m) + min(P, num_experts)
+    one_hot = (expert_ids_P[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
+    running = jnp.cumsum(one_hot, axis=0)  # [P, E]: pairs of each expert so far
+    rank = jnp.take_along_axis(running, expert[:, None], axis=1)[:, 0] - 1
+    tiles = -(-running[-1] // block_m)
+    tile_end = jnp.cumsum(tiles)
+    tile = tile_end[expert] - tiles[expert] + rank // block_m
+    row_P = jnp.where(valid, tile * block_m + rank % block_m, G * block_m)
+    expert_G = jnp.minimum((tile_end[None, :] <= jnp.arange(G)[:, None]).sum(axis=1), num_experts - 1)
+    used_G = jnp.arange(G) < tile_end[-1]
     pair_GM = jnp.full((G * block_m + 1,), P, jnp.int32).at[row_P].set(jnp.arange(P, dtype=jnp.int32))
     return ExpertTiles(pair_GM[:-1].reshape(G, block_m), row_P.astype(jnp.int32), expert_G.astype(jnp.int32),
                        used_G)
