@@ -190,7 +190,7 @@ FUZZ = {
                (("kv_splits", 4), ("block_k", 16), ("block_q", 4))), (1, 4), 8),
     "causal_gqa4_bf16_p16_split4_pages_ahead": (
         Config(CAUSAL, "bfloat16", 16, 2, 4, 32, 64, 6, 8,
-               (("kv_splits", 4), ("block_k", 16), ("pages_ahead", True))), (1, 3), 8),
+               (("kv_splits", 4), ("block_k", 16), ("pages_ahead", True))), (1, 3), 4),
 }
 
 

@@ -243,31 +243,30 @@ def slow_decay(tmp_path_factory):
     return hf, dflash_jax.load_target(tmp / "converted")
 
 
-@pytest.mark.parametrize("recurrence", ["reference", "pallas"])
-def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_decay, decoding_pair, recurrence,
-                                                                        monkeypatch):
+def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_decay, decoding_pair, monkeypatch):
     """A 100-token prompt arrives while another request verifies drafts: one step holds its
     whole prompt as one row (no prefix caching, which would cut it at its last full page),
-    which goes through the rule in chunks of 64 and 36 (the Pallas walk in interpret mode
-    here), beside a verify row whose state that pass leaves alone. Each generated token's
-    log-probability, both requests', equals transformers' over the same sequence, and the
-    tokens equal an Engine's with 16-token steps (every row walked token by token) and one's
-    that walks long prefill rows token by token too (`prefill_rule="tokens"`, a GPU's default)."""
+    which goes through the rule in chunks of 64 and 36, beside a verify row whose state that
+    pass leaves alone. Each generated token's log-probability, both requests', equals
+    transformers' over the same sequence, and the tokens equal an Engine's with 16-token steps
+    (every row walked token by token) and one's that walks long prefill rows token by token
+    too (`prefill_rule="tokens"`, a GPU's default). (The chunked Pallas walk: its kernel
+    tests, and the tensor-parallel run's long prompt.)"""
     import dflash_jax.kernels
     from dflash_jax.step_program import clear_compiled_programs
 
     hf, target = slow_decay
     prompts = [[5, 17, 33, 2, 8, 41, 7], np.random.default_rng(11).integers(0, 95, 100).tolist()]
     params = dflash_jax.SamplingParams(max_new_tokens=8, logprobs=0)
-    name = f"chunked_delta_rule_{recurrence}"
-    chunked, calls = getattr(dflash_jax.kernels, name), []
-    monkeypatch.setattr(dflash_jax.kernels, name, lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
+    chunked, calls = dflash_jax.kernels.chunked_delta_rule_reference, []
+    monkeypatch.setattr(dflash_jax.kernels, "chunked_delta_rule_reference",
+                        lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
     clear_compiled_programs()  # trace afresh: the calls counted are this test's
 
     def run(max_num_tokens, prefill_rule="auto"):
         engine = dflash_jax.Engine(target, decoding_pair[2], max_num_reqs=2, max_num_tokens=max_num_tokens,
                                    block_size=4, prefix_caching=False,
-                                   kernels=dflash_jax.Kernels(recurrence=recurrence, prefill_rule=prefill_rule))
+                                   kernels=dflash_jax.Kernels(recurrence="reference", prefill_rule=prefill_rule))
         ids, logprobs = [engine.add_request(prompts[0], params)], {}
         while engine.has_unfinished():
             if len(ids) == 1 and engine.output(ids[0]):  # the first request is decoding: the long one joins
@@ -284,9 +283,8 @@ def test_long_prefill_rows_in_chunks_give_transformers_log_probabilities(slow_de
         want = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(1, torch.tensor(generated)[:, None])[:, 0]
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-5)
     assert run(16)[0] == tokens
-    if recurrence == "reference":  # the choice is the runtime's, not the kernel's: one run shows it
-        calls.clear()
-        assert run(128, prefill_rule="tokens")[0] == tokens and not calls
+    calls.clear()
+    assert run(128, prefill_rule="tokens")[0] == tokens and not calls
 
 
 def test_prefix_caching_starts_hybrid_requests_from_saved_states_exactly(converted, decoding_pair):
