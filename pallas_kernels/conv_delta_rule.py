@@ -4,8 +4,8 @@ keys' L2 norms computed by the programs that walk the rule (`delta_rule`), from 
 projected channels.
 
 Between a gated-delta-net layer's input product and its rule, a decode or verify step
-otherwise runs about ten small XLA kernels a layer (the convolution over each token's last
-`taps` inputs, the cast, the norms' sums and scalings, the slices): launches that cost more
+otherwise runs about six small XLA kernels a layer for these (the convolution over each
+token's last `taps` inputs, the cast, the norms' sums and scalings, the slices): launches that cost more
 than their bytes (bench/results). Here each program computes, for each token it walks, its
 key head's query and key channels and its own value columns: convolved over the row's last
 `taps` inputs (from the row's history for its first taps - 1 tokens), SiLU, cast to the

@@ -126,7 +126,7 @@ def rule_call(kernel, inputs, state_RHKV, starts_R, ends_R, *, num_tokens: int, 
     R, H, _, V = state_RHKV.shape
     if not (is_pow2(key_dim) and is_pow2(block_v)) or V % block_v:
         raise ValueError(f"the delta-rule kernel needs a power-of-two key dim ({key_dim}) and value columns in "
-                         f"power-of-two blocks ({V} by {block_v}); use delta_rule_reference.")
+                         f"power-of-two blocks ({V} by {block_v}); use the jnp rule (Kernels(recurrence=\"reference\")).")
     if unroll is None:
         unroll = UNROLL if R * H * (V // block_v) <= UNROLL_MAX_PROGRAMS else 1
     commits_R = jnp.ones((R,), jnp.int32) if commits_R is None else commits_R.astype(jnp.int32)

@@ -101,7 +101,7 @@ def tile_inputs(x, tiles: ExpertTiles, top_k: int):
     return jnp.take(x, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
 
 
-def grouped_matmul_reference(x, weights_EKN, tiles: ExpertTiles, top_k: int = 1):
+def grouped_matmul_reference(x, weights_EKN, tiles: ExpertTiles, *, top_k: int):
     """x_GMK[g] @ weights_EKN[expert_G[g]] in float32, zeros for unused tiles (jnp: each
     tile's matrix gathered); `x` the tiles' rows [G, M, K] or the token rows [T, K] each
     pair's tile row takes (`tile_inputs`, with the pairs per token `top_k`)."""
@@ -155,7 +155,7 @@ def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, til
     E, _, N = weights_EKN.shape
     tiling = tiling or grouped_tiling(K, N, top_k)
     if tiling is None:
-        return grouped_matmul_reference(x, weights_EKN, tiles, top_k)
+        return grouped_matmul_reference(x, weights_EKN, tiles, top_k=top_k)
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n:
         raise ValueError(f"tiling {tiling} does not divide the experts' matrices [{K}, {N}]; "
                          "use grouped_tiling(K, N, top_k).")

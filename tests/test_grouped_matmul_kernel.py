@@ -65,7 +65,7 @@ def test_kernel_computes_its_reference(tiling, dtype):
     weights = jax.random.normal(key_w, (E, K, N), jnp.float32).astype(dtype)
     got = grouped_matmul_pallas(x, weights, tiles, top_k=top_k, tiling=tiling)
     with jax.default_matmul_precision("highest"):  # a GPU's default float32 product is TF32
-        want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles)
+        want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles, top_k=top_k)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()  # unused tiles: zeros
@@ -74,8 +74,8 @@ def test_kernel_computes_its_reference(tiling, dtype):
     laid_out = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
     np.testing.assert_array_equal(grouped_matmul_pallas(x_TK, weights, tiles, top_k=top_k, tiling=tiling),
                                   grouped_matmul_pallas(laid_out, weights, tiles, top_k=top_k, tiling=tiling))
-    np.testing.assert_array_equal(grouped_matmul_reference(x_TK, weights, tiles, top_k),
-                                  grouped_matmul_reference(laid_out, weights, tiles))
+    np.testing.assert_array_equal(grouped_matmul_reference(x_TK, weights, tiles, top_k=top_k),
+                                  grouped_matmul_reference(laid_out, weights, tiles, top_k=top_k))
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
