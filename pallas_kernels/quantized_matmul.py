@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, do
     """x @ dequantized W in x's dtype (x [..., K]): the 8-bit values only converted (exactly:
     int8 and e4m3 fit in bfloat16; XLA fuses the conversion into the product's operand), float32
     products scaled per column, or per column and block of input rows (products of their own,
-    summed after scaling). `dot_general`: `lax.dot_general`'s signature (the library passes the
+    scaled, then summed in block order). `dot_general`: `lax.dot_general`'s signature (the library passes the
     one its CPU products need)."""
     values = values_IO.astype(x_TI.dtype)
     if block_in is None:
@@ -48,7 +49,10 @@ def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, do
     x_blocks = jnp.pad(x_TI.reshape(-1, K), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
     value_blocks = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
     y_blocks = dot_general(x_blocks, value_blocks, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-    y_TO = (y_blocks * scales[:, None, :]).sum(axis=0)
+    scaled = y_blocks * scales[:, None, :]
+    # block after block: a reduce's order may depend on the number of rows (XLA CPU's does), and
+    # a verify block must compute what single steps compute
+    y_TO = functools.reduce(operator.add, (scaled[r] for r in range(rows)))
     return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
 
 

@@ -71,6 +71,21 @@ def test_a_row_is_computed_alike_alone_or_in_a_block(block_in):
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(block[i]))
 
 
+def test_the_reference_computes_a_bfloat16_row_alike_in_any_block():
+    """The CPU path's product, as the models run it (the library's `dot_general`, bfloat16,
+    fused with a residual add): the rows of a 12-row call equal 1- and 3-row calls bit for bit,
+    blocks of 128 input rows with a short last one."""
+    from dflash_jax.layers import dot_general
+
+    values, scales = weight(200, 600, "int8", 128)
+    rng = np.random.default_rng(4)
+    x, residual = (jnp.asarray(rng.normal(size=(12, n)), jnp.bfloat16) for n in (200, 600))
+    step = jax.jit(lambda x, r: quantized_matmul_reference(x, values, scales, 128, dot_general) + r)
+    block = np.asarray(step(x, residual), np.float32)
+    for rows in (1, 3):
+        np.testing.assert_array_equal(np.asarray(step(x[:rows], residual[:rows]), np.float32), block[:rows])
+
+
 def test_tilings():
     # Qwen3-8B's matrices: 128 x 128 tiles, splits bringing the programs near two per H200 SM
     assert default_tiling(4096, 6144, 128) == Tiling(128, 128, 4)
