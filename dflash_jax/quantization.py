@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -102,6 +103,18 @@ def parse_quantization(raw: dict[str, Any] | None) -> WeightQuantization | None:
         return None
     raise QuantizationError(f"quantization method {method!r} is not supported; supported are Qwen-style fp8, "
                             "compressed-tensors fp8, and float checkpoints (convert --quantize int8|fp8).")
+
+
+def left_in_float(raw: dict[str, Any] | None, module: str) -> bool:
+    """Whether a published `quantization_config` keeps `module` (a HF module name) in float:
+    transformers' `modules_to_not_convert` (names contained in the module's), compressed-tensors'
+    `ignore` (names, or `re:` patterns the whole name matches)."""
+    if not raw:
+        return False
+    if any(name in module for name in raw.get("modules_to_not_convert") or ()):
+        return True
+    return any(re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry == module
+               for entry in raw.get("ignore") or ())
 
 
 def _compressed_tensors(raw: dict[str, Any]) -> WeightQuantization:

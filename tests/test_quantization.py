@@ -195,6 +195,43 @@ def test_published_fp8_checkpoints_load_and_convert_as_8_bit(float_pair, tmp_pat
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.float8_e5m2])
+def test_an_fp8_checkpoint_with_a_weight_in_another_dtype_is_refused(float_pair, tmp_path, stored):
+    """Cast to e4m3, a float32 weight overflows to NaN and an e5m2 one loses its values: a
+    damaged file, refused before anything is written."""
+    from safetensors.torch import load_file
+
+    write_fp8_checkpoint(float_pair[0], tmp_path / "fp8", "qwen")
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = (tensors[name].float() * 3).to(stored)
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(ConversionError, match=f"{name}.*not the float8_e4m3fn values its config describes"):
+        convert_checkpoint(tmp_path / "fp8", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+@pytest.mark.parametrize("layout,exclusion", [("qwen", {"modules_to_not_convert": ["lm_head", "layers.1.mlp.down_proj"]}),
+                                              ("compressed-tensors", {"ignore": ["lm_head", "re:.*layers[.]1[.]mlp.down_proj"]})])
+def test_a_decoder_product_left_in_float_is_refused_by_name(float_pair, tmp_path, layout, exclusion):
+    """Published configs may keep some products in float; the library runs a layer's products
+    all 8-bit or all float, and says which product it met rather than that a scale is missing."""
+    from safetensors.torch import load_file
+
+    write_fp8_checkpoint(float_pair[0], tmp_path / "fp8", layout)
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    module = "model.layers.1.mlp.down_proj"
+    tensors[f"{module}.weight"] = float_pair[0].state_dict()[f"{module}.weight"]
+    del tensors[f"{module}.{'weight_scale_inv' if layout == 'qwen' else 'weight_scale'}"]
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"].update(exclusion)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=f"'{module}' .* stays in float .* convert the float original"):
+        convert_checkpoint(tmp_path / "fp8", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
 def test_8_bit_drafters_draft_what_their_dequantized_weights_draft(float_pair, tmp_path):
     """`convert --quantize` on a drafter: fc and layer weights 8-bit (context K/V from the
     stacked 8-bit columns), drafting as a float drafter holding the dequantized weights does."""

@@ -33,7 +33,7 @@ from dflash_jax.formats.weight_map import (
 from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape,
-                                     hf_scales)
+                                     hf_scales, left_in_float)
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -85,6 +85,14 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             "with this config.json; check that config and weights belong together."
         )
     missing = [rule.hf_name for rule in rules if rule.hf_name not in shapes]
+    float_products = [rule.hf_name.rsplit(".", 1)[0] for rule in rules if rule.scales and rule.hf_name not in shapes
+                      and left_in_float(raw_config.get("quantization_config"), rule.hf_name.rsplit(".", 1)[0])]
+    if float_products:
+        raise ConversionError(
+            f"{float_products[0]!r} ({len(float_products)} in all) stays in float "
+            "(the quantization_config's modules_to_not_convert or ignore list) while the other decoder products "
+            "are 8-bit; checkpoints that mix float and 8-bit decoder products are not supported: convert the "
+            "float original with --quantize instead.")
     if missing:
         raise ConversionError(f"missing tensor {missing[0]!r} ({len(missing)} in all) in {hf_dir}.")
 
@@ -162,13 +170,14 @@ def _float_tensor(name: str, array):
 
 
 def _stored_as(name: str, array, dtype):
-    """`array`, checked against the parameter's dtype: int8 values must be stored as int8 (a
-    GGUF file's Q8_0 rows), every other parameter as a float."""
-    if jnp.dtype(dtype) != jnp.int8:
+    """`array`, checked against the parameter's dtype: 8-bit values must be stored in their
+    8-bit type (a GGUF file's Q8_0 rows as int8, a published FP8 checkpoint's weights as
+    float8_e4m3fn: a float there would be cast out of range), every other parameter as a float."""
+    if jnp.dtype(dtype).itemsize != 1:
         return _float_tensor(name, array)
-    if array.dtype != np.int8:
-        raise ConversionError(f"tensor {name!r} is {array.dtype}, not the int8 values its config describes; the "
-                              "checkpoint is damaged.")
+    if jnp.dtype(array.dtype) != jnp.dtype(dtype):
+        raise ConversionError(f"tensor {name!r} is {array.dtype}, not the {jnp.dtype(dtype).name} values its config "
+                              "describes; the checkpoint is damaged.")
     return array
 
 
