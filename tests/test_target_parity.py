@@ -36,7 +36,7 @@ def test_target_forward_matches_transformers(tmp_path, case):
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, hf_model.config.vocab_size, size=50)
-    layer_ids = (2, 0, 1)  # HF applies the final norm to its last entry: not a layer output
+    layer_ids = (2, 0, 3)  # HF's last entry (layer 3's) is final-normed: so is ours, as z-lab's drafters read it
     logits, features = dflash_jax.target_forward(target, ids, layer_ids=layer_ids)
 
     with torch.no_grad():

@@ -90,7 +90,9 @@ class Target(nnx.Module):
     def __call__(self, token_ids_T, positions_T, attend: AttendFn, *, layer_ids: Sequence[int] = (),
                  kernels: Kernels = REFERENCE):
         """Returns (final-normed hidden [T, D], outputs of `layer_ids` concatenated [T, n*D]);
-        `kernels` (resolved) picks the norm's implementation."""
+        `kernels` (resolved) picks the norm's implementation. The last layer's output is taken
+        after the final norm, as transformers' `hidden_states[num_layers]` (which z-lab's
+        drafters are trained on) is."""
         x_TD, delta_TD = self.embed(token_ids_T), None
         wanted = {layer_id: None for layer_id in layer_ids}
         for i, layer in enumerate(self.layers):
@@ -98,6 +100,9 @@ class Target(nnx.Module):
             x_TD, delta_TD = replicated(x_TD, self.mesh), replicated(delta_TD, self.mesh)
             if i in wanted:  # the layer's output (this sum fuses into the concatenation below)
                 wanted[i] = x_TD + delta_TD
+        hidden_TD = self.norm.add_norm(x_TD, delta_TD, kernels)[1]
+        if len(self.layers) - 1 in wanted:
+            wanted[len(self.layers) - 1] = hidden_TD
         features = [wanted[layer_id] for layer_id in layer_ids]
         features_TF = jnp.concatenate(features, axis=-1) if features else x_TD[:, :0]
-        return self.norm.add_norm(x_TD, delta_TD, kernels)[1], features_TF
+        return hidden_TD, features_TF
