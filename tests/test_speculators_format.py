@@ -91,7 +91,7 @@ def test_dflash1_speculators_checkpoint_drafts_as_its_zlab_original(dflash1):
                                   dflash_jax.draft_logits(target, original, features, block))
 
 
-def test_reduced_vocabulary_drafts_only_its_tokens_and_decodes_the_targets_tokens(dflash1, tmp_path):
+def test_reduced_vocabulary_drafts_only_its_tokens_and_decodes_the_targets_tokens(dflash1, tmp_path, monkeypatch):
     tmp, hf, config, zlab_dir, target = dflash1
     draft_ids = sorted(np.random.default_rng(1).choice(95, 40, replace=False).tolist())
     reduced = dflash_jax.load_drafter(as_speculators(zlab_dir, tmp_path / "d2t", hf, config, draft_ids))
@@ -119,6 +119,11 @@ def test_reduced_vocabulary_drafts_only_its_tokens_and_decodes_the_targets_token
     np.testing.assert_array_equal(np.asarray(again.draft_to_target[...]), draft_ids)
     with pytest.raises(ValueError, match="reduced vocabulary"):
         export_hf(reduced, tmp_path / "exported")
+    # a soft cap bounds the draft vocabulary's logits and leaves the others at -inf (q zero there)
+    monkeypatch.setattr(reduced, "cfg", dataclasses.replace(reduced.cfg, final_logit_softcapping=5.0))
+    capped = np.asarray(dflash_jax.draft_logits(target, reduced, features, block))
+    assert np.isneginf(capped[:, outside]).all() and np.isfinite(capped[:, draft_ids]).all()
+    np.testing.assert_allclose(capped[:, draft_ids], 5.0 * np.tanh(logits[:, draft_ids] / 5.0), rtol=1e-5, atol=1e-5)
 
 
 def test_dflash2_speculators_checkpoint_drafts_as_its_zlab_original(tmp_path):

@@ -100,13 +100,15 @@ class Drafter(nnx.Module):
         """float32 logits over the target's vocabulary, with the optional Gemma-style scalars:
         through the target's head, or through the drafter's own head over a reduced vocabulary,
         placed at those tokens' ids with -inf elsewhere (no other token is ever drafted)."""
-        if self.cfg.draft_vocab_size is None:
-            logits = unembed(h_BD)
-        else:
-            own = dot_general(h_BD.astype(self.dtype), self.draft_head.kernel[...], (((h_BD.ndim - 1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-            logits = jnp.full((*h_BD.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
-            logits = logits.at[..., self.draft_to_target[...]].set(own)
-        logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+        def scaled(logits):  # capped after the -inf fill, a token off the draft vocabulary would get -cap
+            logits = logits * self.cfg.output_multiplier
+            return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+        if self.cfg.draft_vocab_size is None:
+            return scaled(unembed(h_BD))
+        own = dot_general(h_BD.astype(self.dtype), self.draft_head.kernel[...], (((h_BD.ndim - 1,), (0,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+        logits = jnp.full((*h_BD.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
+        return logits.at[..., self.draft_to_target[...]].set(scaled(own))
