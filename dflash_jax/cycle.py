@@ -402,11 +402,12 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             rows_before, rule_passes, batch.target.rows, batch.target.query_start_loc[:-1], kept_tokens(batch, count_R),
             commits_R)
         state = dataclasses.replace(state, recurrent=jax.tree.map(
-            lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after))
+            lambda slots, rows: with_slot_rows(slots, batch.slots_R, rows), state.recurrent, rows_after
+        ).placed(target.cfg, target.mesh))
         if state.saved_recurrent is not None and batch.save_R is not None:
             state = dataclasses.replace(state, saved_recurrent=jax.tree.map(
                 lambda pool, rows: with_slot_rows(pool, batch.save_R, rows, batch.save_R >= 0), state.saved_recurrent,
-                rows_after))
+                rows_after).placed(target.cfg, target.mesh))
     if cfg.penalizes:  # the verify rows' tokens now in the cache: the anchor and the committed drafts
         cached_RQ = batch.verifying_R[:, None] & (jnp.arange(num_query) < count_R[:, None])
         counts_RV = counts_RV.at[rows_R[:, None], inputs_RQ].add(cached_RQ.astype(jnp.int32))

@@ -53,13 +53,31 @@ class RecurrentState:
             return None
         history = jax.ShapeDtypeStruct((num_slots, la.conv_kernel_size - 1, la.conv_dim), dtype)
         delta = jax.ShapeDtypeStruct((num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim), jnp.float32)
-        split = mesh is not None and linear_attention_shards(cfg, mesh.shape[MODEL]) > 1
+        history_sharding, delta_sharding = cls.shardings(cfg, mesh)
 
-        def zeros(shape, spec):  # an array per layer: each is donated on its own
-            sharding = None if mesh is None else NamedSharding(mesh, spec if split else PartitionSpec())
+        def zeros(shape, sharding):  # an array per layer: each is donated on its own
             return tuple(jnp.zeros(shape.shape, shape.dtype, device=sharding) for _ in la.layers)
 
-        return cls(zeros(history, PartitionSpec(None, None, MODEL)), zeros(delta, PartitionSpec(None, MODEL)))
+        return cls(zeros(history, history_sharding), zeros(delta, delta_sharding))
+
+    @staticmethod
+    def shardings(cfg: TargetConfig, mesh: Mesh | None) -> tuple[NamedSharding | None, NamedSharding | None]:
+        """(histories', delta states') shardings on `mesh` (`zeros`' docstring; None off a mesh)."""
+        if mesh is None:
+            return None, None
+        if linear_attention_shards(cfg, mesh.shape[MODEL]) == 1:
+            return (NamedSharding(mesh, PartitionSpec()),) * 2
+        return NamedSharding(mesh, PartitionSpec(None, None, MODEL)), NamedSharding(mesh, PartitionSpec(None, MODEL))
+
+    def placed(self, cfg: TargetConfig, mesh: Mesh | None) -> RecurrentState:
+        """This state constrained to `zeros`' shardings (inside a step program): a step returns
+        the state as it took it, and the programs compiled for it take the next one. A
+        replicated state's history is otherwise sliced from a split projection, and left split."""
+        if mesh is None:
+            return self
+        history_sharding, delta_sharding = self.shardings(cfg, mesh)
+        return RecurrentState(tuple(jax.lax.with_sharding_constraint(h, history_sharding) for h in self.history),
+                              tuple(jax.lax.with_sharding_constraint(d, delta_sharding) for d in self.delta))
 
 
 def recurrent_state_bytes(cfg: TargetConfig, num_slots: int, dtype) -> int:

@@ -262,8 +262,9 @@ def qwen3_5() -> dict:
     gated attention layer) at TP 1, 2 and 4 (at 2 also with the Pallas rule, unfused and
     fused), its autoregressive tokens at TP 1, and the
     devices each holds a slice of the linear-attention heads' parameters and state on; a long
-    prompt's tokens (its prefill in chunks) at TP 1 and 2; the greedy tokens of its MoE variant
-    at TP 1 and 2."""
+    prompt's tokens (its prefill in chunks) at TP 1 and 2; heads too few to split in the Engine at
+    TP 4 (their state whole on every device, step after step); the greedy tokens of its MoE
+    variant at TP 1 and 2."""
     raw = dict(
         architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -292,17 +293,17 @@ def qwen3_5() -> dict:
     out["long"] = [generate(*models(cfg, tp), long_prompt, max_new_tokens=8, kernels=Kernels(recurrence=rule))
                    .token_ids for tp, rule in ((1, "reference"), (2, "reference"), (2, "pallas"))]
     few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
-    out["few heads"] = [generate(*models(few, tp), PROMPTS, max_new_tokens=12, kernels=Kernels(recurrence="pallas"))
-                        .token_ids for tp in (1, 4)]
+    out["few heads"] = _shared_prefix_engine(*models(few, 4), reference=models(few, 1)[0])
     moe = parse_config({**raw, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
     out["moe"] = [generate(*models(moe, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 2)]
     return out
 
 
-def _shared_prefix_engine(target, drafter) -> list:
+def _shared_prefix_engine(target, drafter, reference=None) -> list:
     """Engine tokens of a prompt, then of two sharing its first 16 tokens (prefix caching
-    restores the split state saved there), and each prompt's autoregressive tokens."""
+    restores the state saved there), and each prompt's autoregressive tokens (by `reference`,
+    a one-device copy of the target, if given)."""
     first = [(7 * i + 3) % 120 for i in range(19)]
     later = [first[:16] + [5, 6, 7], first[:17] + [9]]
     engine = Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, page_size=8)
@@ -313,7 +314,7 @@ def _shared_prefix_engine(target, drafter) -> list:
     while engine.has_unfinished():
         engine.step()
     return [[engine.output(i) for i in ids], [engine.stats(i).num_cached_tokens for i in ids],
-            generate_autoregressive(target, [first] + later, max_new_tokens=8).token_ids]
+            generate_autoregressive(reference or target, [first] + later, max_new_tokens=8).token_ids]
 
 
 def save(folder: str) -> dict:
