@@ -221,16 +221,23 @@ def converted_pair(hf, tmp, **dflash_config):
     return folder, dflash_jax.load_target(tmp / "converted"), drafter
 
 
+def hf_greedy(hf, prompt, max_new_tokens, stop=None) -> list[int]:
+    """transformers' greedy continuation of one prompt (its attention mask given: without one,
+    transformers masks every prompt id equal to the pad id)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=stop, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def assert_greedy_dflash_exact(hf, target, drafter, prompts, max_new_tokens=16):
     """Greedy autoregressive decoding equals transformers' greedy `generate`, and DFlash (block
     4, blocks partly accepted) equals it in `generate` and in the Engine."""
     import dflash_jax
 
     ar = dflash_jax.generate_autoregressive(target, prompts, max_new_tokens=max_new_tokens)
-    with torch.no_grad():
-        for prompt, tokens in zip(prompts, ar.token_ids):
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            assert out[0, len(prompt):].tolist() == tokens
+    assert ar.token_ids == [hf_greedy(hf, prompt, max_new_tokens) for prompt in prompts]
     spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=4)
     assert spec.token_ids == ar.token_ids
     lengths = [n for per_request in spec.accepted_lengths for n in per_request]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dflash_jax
-from conftest import drafter_config_dict, favour_two_tokens, make_hf_target, make_zlab_drafter, save_hf
+from conftest import drafter_config_dict, favour_two_tokens, hf_greedy, make_hf_target, make_zlab_drafter, save_hf
 from dflash_jax.generate import generate, generate_autoregressive
 from dflash_jax.kernels import Kernels
 
@@ -32,15 +32,6 @@ def pair(tmp_path_factory):
     target = dflash_jax.load_target(save_hf(hf, tmp / "target"))
     drafter = dflash_jax.load_drafter(save_hf(zlab, tmp / "drafter", config))
     return hf, zlab, target, drafter
-
-
-def hf_greedy(hf, prompt, max_new_tokens, stop=None):
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=stop, pad_token_id=0,
-        )
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.slow
