@@ -203,6 +203,33 @@ def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, pre):
     assert config["chat_template"] == CHAT_TEMPLATE and config["eos_token"] == "<|im_end|>"
 
 
+def test_llama3_tokenizers_take_whole_words_and_stop_at_the_end_of_a_turn(tmp_path):
+    """llama.cpp (and Llama 3's tokenizer.json) match a word the vocabulary holds before any
+    merge; the file's end-of-turn ids (eot, eom) stop generation beside EOS."""
+    from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer_files
+    from dflash_jax.tokenizer import ChatTokenizer
+
+    writer = gguf_writer(tmp_path / "tiny.gguf", "llama", "gpt2", "llama-bpe")
+    tokens = tiny_vocab()
+    writer.add_eot_token_id(1)
+    writer.add_eom_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    files = gguf_tokenizer_files(tmp_path / "tiny.gguf")
+    assert json.loads(files["generation_config.json"]) == {"eos_token_id": [0, 1, 2]}
+    (tmp_path / "folder").mkdir()
+    for name, text in files.items():
+        (tmp_path / "folder" / name).write_text(text)
+    assert ChatTokenizer(tmp_path / "folder").stop_token_ids == [0, 1, 2]
+    whole = json.loads(files["tokenizer.json"])
+    assert whole["model"]["ignore_merges"] is True
+    whole["model"]["vocab"]["Ġwin"] = len(tokens)  # a word no merge chain reaches
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_str(json.dumps(whole)).encode("a win").tokens == ["a", "Ġwin"]
+
+
 METADATA = {
     "general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
     "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,

@@ -3,7 +3,8 @@
 A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, merges, token types,
 special ids and chat template as metadata and splits text with a regex chosen by
 `tokenizer.ggml.pre`. We rebuild the same byte-level BPE tokenizer (model `gpt2`) and write
-`tokenizer.json` + `tokenizer_config.json`, so both `tokenizers` alone and
+`tokenizer.json` + `tokenizer_config.json` (+ `generation_config.json`: the ids that end
+generation), so both `tokenizers` alone and
 `transformers.AutoTokenizer` load it from the converted folder. Other tokenizer models and
 unknown pre-tokenizers are refused rather than guessed: a wrong split tokenizes silently wrong.
 """
@@ -35,6 +36,11 @@ PRE_TOKENIZER_SPLITS = {
                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
+# Llama 3 matches a whole word found in the vocabulary before merging (`ignore_merges`, as
+# llama.cpp and its own tokenizer.json do).
+IGNORES_MERGES = {"llama-bpe"}
+# Tokens that end a turn beside EOS (Llama 3's <|eot_id|> and <|eom_id|>): generation stops there.
+END_OF_GENERATION_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # llama.cpp token types (gguf.TokenType): control tokens are special, user-defined ones are
 # plain added tokens; both are matched whole before the regex split.
 CONTROL, USER_DEFINED = 3, 4
@@ -47,14 +53,17 @@ SPECIAL_TOKEN_IDS = {
 
 
 def gguf_tokenizer_files(path: str | Path) -> dict[str, str]:
-    """{'tokenizer.json': ..., 'tokenizer_config.json': ...}; {} when the file has no tokenizer."""
+    """{'tokenizer.json': ..., 'tokenizer_config.json': ..., 'generation_config.json': ...};
+    {} when the file has no tokenizer."""
     metadata = gguf_metadata(open_gguf_reader(path))
     if "tokenizer.ggml.tokens" not in metadata:
         return {}
     tokenizer = tokenizer_from_gguf(metadata, Path(path).name)
+    stop_ids = sorted({int(metadata[key]) for key in END_OF_GENERATION_IDS if key in metadata})
     return {
         "tokenizer.json": tokenizer.to_str(),
         "tokenizer_config.json": json.dumps(tokenizer_config(metadata), indent=2),
+        "generation_config.json": json.dumps({"eos_token_id": stop_ids}, indent=2),
     }
 
 
@@ -74,7 +83,8 @@ def tokenizer_from_gguf(metadata: dict, file_name: str):
         )
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges,
+                                     ignore_merges=pre in IGNORES_MERGES))
     splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in PRE_TOKENIZER_SPLITS[pre]]
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
