@@ -46,3 +46,15 @@ def test_tokens_counted_up_to_the_one_completing_the_stop_string():
     plain = IncrementalDetokenizer(utf8)
     pieces(plain, list(text), chunk=8)
     assert plain.num_tokens == len(text)
+
+
+def test_the_stop_string_completed_first_wins_however_the_tokens_are_grouped():
+    """"y33|" starts before "33" but ends after it: token by token "33" stops the text first,
+    and a step bringing several tokens at once must give the same text and count."""
+    text = list(b"k)y3\x003|L")
+    answers = set()
+    for chunk in (1, 2, 3, 8):
+        detok = IncrementalDetokenizer(lambda ids: bytes(i for i in ids if i).decode(), stop=["y33|", "33"])
+        out, tail = pieces(detok, text, chunk)
+        answers.add(("".join(out) + tail, detok.num_tokens))
+    assert answers == {("k)y", 6)}

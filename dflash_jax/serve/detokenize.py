@@ -68,13 +68,16 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, full: str) -> int | None:
-        """Where the earliest stop string starts in text not yet handed out, if any."""
+        """Where the stop string that is complete first (the one ending first, as token by
+        token generation meets them) starts in text not yet handed out, if any. Not the one
+        starting first: a longer stop may start earlier and end later, and the text must not
+        depend on how many tokens a step brought."""
         if not self._stop:
             return None
         # A stop string may begin in held-back text just before the emitted point.
         start = max(self._emitted - max(len(s) for s in self._stop) + 1, 0)
-        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i + len(s), i) for s, i in ((s, full.find(s, start)) for s in self._stop) if i >= 0]
+        return min(hits)[1] if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of `text` that begins some stop string."""
