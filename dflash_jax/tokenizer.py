@@ -36,9 +36,10 @@ class ChatTokenizer:
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
         self.stop_token_ids = self._stop_ids(json.loads(files.get("generation_config.json", "{}")))
 
-    def encode(self, messages: list[dict[str, str]], **template_kwargs) -> list[int]:
+    def encode(self, messages: list[dict[str, str]], template_kwargs: dict | None = None) -> list[int]:
         """Messages through the chat template; `template_kwargs` are more template variables
-        (a server's `chat_template_kwargs`, such as enable_thinking)."""
+        (a server's `chat_template_kwargs`, such as enable_thinking; add_generation_prompt
+        too, True unless given)."""
         if self.template is None:
             return self.encode_text("\n\n".join(m["content"] for m in messages))
         return self.tokenizer.encode(self._render(messages, template_kwargs), add_special_tokens=False).ids
@@ -53,9 +54,11 @@ class ChatTokenizer:
         return self.tokenizer.decode([t for t in token_ids if t not in stops], skip_special_tokens=True)
 
     def _render(self, messages, template_kwargs=None) -> str:
-        variables = {k: v or "" for k, v in self.special.items()}
+        if "messages" in (template_kwargs or {}):
+            raise ValueError("chat_template_kwargs may not set 'messages'; send them as the request's messages.")
+        variables = {"add_generation_prompt": True, **{k: v or "" for k, v in self.special.items()}}
         variables.update(template_kwargs or {})
-        return self._compiled_template.render(messages=messages, add_generation_prompt=True, **variables)
+        return self._compiled_template.render(messages=messages, **variables)
 
     @functools.cached_property
     def _compiled_template(self):

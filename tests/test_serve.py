@@ -334,8 +334,10 @@ def test_uncaught_errors_are_500_and_counted(served, monkeypatch):
     server = served[0]
     monkeypatch.setattr(server.engine_loop, "submit", _raise_bug)
     before = metric_values(server)
-    response = httpx.post(base_url(server) + "/v1/completions", json={"prompt": "a"}, timeout=300)
-    assert response.status_code == 500 and "injected bug" in response.json()["error"]["message"]
+    with httpx.Client(base_url=base_url(server), timeout=300) as connection:
+        response = connection.post("/v1/completions", json={"prompt": "a"})
+        assert response.status_code == 500 and "injected bug" in response.json()["error"]["message"]
+        assert connection.get("/v1/models").status_code == 200  # the connection stays open after a 500
     key = ("dflash_requests_total", (("endpoint", "/v1/completions"), ("status", "500")))
     assert metric_values(server)[key] == before.get(key, 0) + 1
 

@@ -21,10 +21,17 @@ def tokenizer(tmp_path):
 
 
 def test_each_call_renders_its_own_messages_and_variables(tokenizer):
-    first = tokenizer.encode([{"role": "user", "content": "ab"}], greet=True)
+    first = tokenizer.encode([{"role": "user", "content": "ab"}], {"greet": True})
     second = tokenizer.encode([{"role": "user", "content": "cd"}])
     assert first == tokenizer.encode_text("hi user: ab\nassistant:")
     assert second == tokenizer.encode_text("user: cd\nassistant:")  # no greeting left from the call before
+
+
+def test_template_variables_may_drop_the_generation_prompt_but_not_replace_the_messages(tokenizer):
+    messages = [{"role": "user", "content": "ab"}]
+    assert tokenizer.encode(messages, {"add_generation_prompt": False}) == tokenizer.encode_text("user: ab\n")
+    with pytest.raises(ValueError, match="may not set 'messages'"):
+        tokenizer.encode(messages, {"messages": []})
 
 
 def test_the_template_refuses_with_its_own_message_every_time(tokenizer):

@@ -59,6 +59,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
         loop.stop(shutdown_timeout_s)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_InternalErrorsAs500)  # added first: innermost, inside the key check and the counting
     if api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_CountResponses, metrics=loop.metrics)  # added last: outermost, counts the 401s too
@@ -76,11 +77,6 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
                    405: f"{request.method} is not allowed on {request.url.path}."}.get(err.status_code, str(err.detail))
         return JSONResponse(protocol.error_body(message, type=kind), status_code=err.status_code,
                             headers=getattr(err, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, err: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(protocol.error_body(f"internal server error: {err}", type="internal_error"), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -192,7 +188,7 @@ class _Server:
         if isinstance(request, ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
             try:
-                ids = self.tokenizer.encode(messages, **request.chat_template_kwargs)
+                ids = self.tokenizer.encode(messages, request.chat_template_kwargs)
             except ValueError as err:
                 raise RequestError(str(err), param="messages") from None
         else:
@@ -344,6 +340,34 @@ class _RequireApiKey:
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _InternalErrorsAs500:
+    """A JSON 500 for an exception that escapes a route before its response began, sent as an
+    ordinary response. (Starlette's own handler for `Exception` replies and then re-raises, and
+    the server drops the connection: a client's next request on it fails.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if started:  # a stream already under way: nothing left to answer with
+                raise
+            log.exception("unhandled error on %s", scope.get("path", ""))
+            body = protocol.error_body(f"internal server error: {err}", type="internal_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 class _CountResponses:
