@@ -263,6 +263,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 3, "seed": 2147483646}, "n"),  # choice 2 would sample with seed 2**31
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
@@ -558,7 +559,7 @@ def test_n_choices_whole_and_streamed(served, client):
     assert [c.message.content for c in greedy.choices] == [want] * 3
     assert greedy.usage.prompt_tokens == len(ids)
     assert greedy.usage.completion_tokens == 3 * len(reference(served, [ids], 12)[0])
-    kwargs = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=7)
+    kwargs = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=-3)  # seeds may be negative
     whole = client.completions.create(**kwargs, n=4)
     texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1
@@ -567,7 +568,7 @@ def test_n_choices_whole_and_streamed(served, client):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == texts
-    alone = client.completions.create(**{**kwargs, "seed": 9})
+    alone = client.completions.create(**{**kwargs, "seed": -1})
     assert alone.choices[0].text == texts[2]
 
 

@@ -30,7 +30,7 @@ from dflash_jax.serve import protocol
 from dflash_jax.serve.answer import Answer, EngineFailed
 from dflash_jax.serve.detokenize import IncrementalDetokenizer
 from dflash_jax.serve.engine_loop import EngineLoop, Finished, RequestHandle
-from dflash_jax.serve.protocol import INT32_MAX, ChatRequest, CompletionRequest, RequestError
+from dflash_jax.serve.protocol import ChatRequest, CompletionRequest, RequestError
 from dflash_jax.serve.warmup import Warmup
 
 log = logging.getLogger("dflash_jax.serve")
@@ -148,7 +148,7 @@ class _Server:
         handles = [await self.loop.submit(prompt_ids, params)]
         try:
             for index in range(1, request.n):
-                seed = (params.seed + index) % INT32_MAX if request.seed is not None else request.draw_seed()
+                seed = params.seed + index if request.seed is not None else request.draw_seed()
                 handles.append(await self.loop.submit(prompt_ids, dataclasses.replace(params, seed=seed),
                                                       prefill_after=handles[0]))
         except BaseException:

@@ -78,6 +78,15 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, sharing the prompt's cached pages
     return_meta_info: bool = False
 
+    @field_validator("n")
+    @classmethod
+    def _choice_seeds_fit(cls, n: int, info: ValidationInfo) -> int:
+        """Choice i samples with seed + i: each must be a seed a lone request may give."""
+        seed = info.data.get("seed")
+        if seed is not None and seed + n - 1 > INT32_MAX:
+            raise ValueError(f"seed + n - 1 must be at most {INT32_MAX} (choice i samples with seed + i)")
+        return n
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
