@@ -131,6 +131,10 @@ def test_models_and_health(served):
     server = served[0]
     models = httpx.get(base_url(server) + "/v1/models", timeout=300).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    with openai.OpenAI(base_url=base_url(server) + "/v1", api_key="none", max_retries=0) as client:
+        assert client.models.retrieve(MODEL).id == MODEL  # OpenAI's GET /v1/models/{id}
+        with pytest.raises(openai.NotFoundError, match="does not exist here"):
+            client.models.retrieve("gpt-4")
     health = httpx.get(base_url(server) + "/health", timeout=300)
     assert health.status_code == 200 and health.json()["status"] == "ready"
 

@@ -86,10 +86,18 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
     async def chat_completions(request: Request):
         return await server.generate(request, ChatRequest)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": protocol.now(), "owned_by": "dflash-jax",
+                "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": protocol.now(),
-                                            "owned_by": "dflash-jax", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -177,12 +185,16 @@ class _Server:
         """(request, prompt ids, sampling parameters) from the body, or RequestError: the
         request's CPU work (JSON, chat template, tokenizer), run off the event loop."""
         request = protocol.parse_request(kind, body)
-        if request.model is not None and request.model != self.model_name:
-            raise RequestError(f"the model {request.model!r} does not exist here; this server serves "
-                               f"{self.model_name!r} (GET /v1/models).", param="model", status=404,
-                               code="model_not_found")
+        if request.model is not None:
+            self.check_model(request.model)
         prompt_ids = self._prompt_ids(request)
         return request, prompt_ids, self._sampling_params(request, len(prompt_ids))
+
+    def check_model(self, name: str) -> None:
+        """RequestError 404 unless `name` is the model this server serves."""
+        if name != self.model_name:
+            raise RequestError(f"the model {name!r} does not exist here; this server serves {self.model_name!r} "
+                               "(GET /v1/models).", param="model", status=404, code="model_not_found")
 
     def _prompt_ids(self, request) -> list[int]:
         if isinstance(request, ChatRequest):
