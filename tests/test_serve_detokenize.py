@@ -58,3 +58,15 @@ def test_the_stop_string_completed_first_wins_however_the_tokens_are_grouped():
         out, tail = pieces(detok, text, chunk)
         answers.add(("".join(out) + tail, detok.num_tokens))
     assert answers == {("k)y", 6)}
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """vLLM's min_tokens: a stop string ending within the first min_tokens - 1 tokens is text;
+    one ending later stops it, however the tokens are grouped."""
+    text = list(b"ab-cd-ef-gh")
+    answers = set()
+    for chunk in (1, 4, 11):
+        detok = IncrementalDetokenizer(utf8, stop=["-"], min_tokens=5)
+        out, tail = pieces(detok, text, chunk)
+        answers.add(("".join(out) + tail, detok.num_tokens))
+    assert answers == {("ab-cd", 6)}  # the "-" at token 3 is too early; the one at token 6 stops

@@ -132,7 +132,8 @@ class _Server:
         handles = await self._submit_choices(request, prompt_ids, params)
         hidden = set(params.stop_token_ids)  # stop tokens end the answer and are not part of its text
         pieces = [self._pieces(handle, IncrementalDetokenizer(
-            lambda ids: self.tokenizer.decode([t for t in ids if t not in hidden]), request.stop_strings))
+            lambda ids: self.tokenizer.decode([t for t in ids if t not in hidden]), request.stop_strings,
+            request.min_tokens))
             for handle in handles]
         kind = "chat.completion" if chat else "text_completion"
         answer = Answer(protocol.new_id("chatcmpl" if chat else "cmpl"), kind, self.model_name, request,

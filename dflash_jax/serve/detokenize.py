@@ -17,9 +17,10 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text deltas of one request's generated ids; `stopped` once a stop string appears."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0):
         self._decode = decode
         self._stop = [s for s in stop if s]
+        self._min_tokens = min_tokens  # vLLM's: a stop string counts only once it ends in a token past these
         self._ids: list[int] = []
         self._emitted = 0  # characters of the decoded text already handed out
         self.text = ""  # everything handed out
@@ -35,7 +36,7 @@ class IncrementalDetokenizer:
         before = len(self._ids)
         self._ids.extend(new_ids)
         full = self._decode(self._ids)
-        cut = self._find_stop(full)
+        cut = self._find_stop(full, len(self._ids))
         if cut is not None:
             self.stopped = True
             self.num_tokens = self._tokens_through_stop(before)
@@ -56,7 +57,7 @@ class IncrementalDetokenizer:
     def _tokens_through_stop(self, before: int) -> int:
         """The fewest ids, more than `before`, whose text holds a stop string."""
         for count in range(before + 1, len(self._ids)):
-            if self._find_stop(self._decode(self._ids[:count])) is not None:
+            if self._find_stop(self._decode(self._ids[:count]), count) is not None:
                 return count
         return len(self._ids)
 
@@ -67,16 +68,24 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def _find_stop(self, full: str) -> int | None:
+    def _find_stop(self, full: str, num_ids: int) -> int | None:
         """Where the stop string that is complete first (the one ending first, as token by
         token generation meets them) starts in text not yet handed out, if any. Not the one
         starting first: a longer stop may start earlier and end later, and the text must not
-        depend on how many tokens a step brought."""
-        if not self._stop:
+        depend on how many tokens a step brought. `full`: the text of the first `num_ids` ids;
+        a stop ending within the first `min_tokens` - 1 ids' text does not count."""
+        if not self._stop or num_ids < self._min_tokens:
             return None
         # A stop string may begin in held-back text just before the emitted point.
         start = max(self._emitted - max(len(s) for s in self._stop) + 1, 0)
-        hits = [(i + len(s), i) for s, i in ((s, full.find(s, start)) for s in self._stop) if i >= 0]
+        floor = len(self._decode(self._ids[: self._min_tokens - 1])) if self._min_tokens > 1 else 0
+        hits = []
+        for stop in self._stop:
+            at = full.find(stop, start)
+            while at >= 0 and at + len(stop) <= floor:
+                at = full.find(stop, at + 1)
+            if at >= 0:
+                hits.append((at + len(stop), at))
         return min(hits)[1] if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:
