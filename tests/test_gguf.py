@@ -317,6 +317,8 @@ BAD_CASES = {
                      r"holds a 'qwen2' model; supported GGUF architectures are llama, qwen3, qwen3moe"),
     "missing": (dict(drop={"blk.1.ffn_up.weight"}), None, r"missing tensor 'blk.1.ffn_up.weight'"),
     "tokenizer": (dict(tokenizer_model="llama"), None, r"has a 'llama' tokenizer; only byte-level BPE"),
+    "mixtral": (dict(extra={"blk.0.ffn_gate_exps.weight": np.zeros((2, FFN, HIDDEN))}), None,
+                r"llama-architecture mixture of experts .* qwen3moe and gpt-oss files only"),
 }
 
 

@@ -249,6 +249,9 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
     if architecture not in ARCHITECTURES:
         raise ConversionError(f"{file_name} holds a {architecture!r} model; supported GGUF architectures are "
                               f"{', '.join(ARCHITECTURES)}.")
+    if architecture in ("llama", "qwen3") and any("_exps." in name for name in tensor_names):
+        raise ConversionError(f"{file_name} is a {architecture}-architecture mixture of experts (Mixtral-style "
+                              "expert tensors); GGUF experts are read for qwen3moe and gpt-oss files only.")
     if "rope_freqs.weight" in tensor_names and rope_freqs is None:
         raise ConversionError(f"{file_name} stores per-frequency RoPE factors (rope_freqs.weight); pass their "
                               "values to read them.")
