@@ -59,7 +59,6 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_model_len: i
         loop.stop(shutdown_timeout_s)
 
     app = FastAPI(title="dflash-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_InternalErrorsAs500)  # added first: innermost, inside the key check and the counting
     if api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_CountResponses, metrics=loop.metrics)  # added last: outermost, counts the 401s too
@@ -355,37 +354,11 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
-class _InternalErrorsAs500:
-    """A JSON 500 for an exception that escapes a route before its response began, sent as an
-    ordinary response. (Starlette's own handler for `Exception` replies and then re-raises, and
-    the server drops the connection: a client's next request on it fails.)"""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as err:
-            if started:  # a stream already under way: nothing left to answer with
-                raise
-            log.exception("unhandled error on %s", scope.get("path", ""))
-            body = protocol.error_body(f"internal server error: {err}", type="internal_error")
-            await JSONResponse(body, status_code=500)(scope, receive, send)
-
-
 class _CountResponses:
-    """ASGI middleware counting answered requests by route and status code (streams too); an
-    exception that escapes the app before a response began counts as the 500 Starlette sends."""
+    """ASGI middleware counting answered requests by route and status code (streams too). An
+    exception that escapes the app before a response began is answered here as a JSON 500, an
+    ordinary response: Starlette's own handler for `Exception` replies and then re-raises, and
+    the server drops the connection (a client's next request on it fails)."""
 
     def __init__(self, app, metrics):
         self.app, self.metrics = app, metrics
@@ -407,7 +380,9 @@ class _CountResponses:
 
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            if not started:
-                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
-            raise
+        except Exception as err:
+            if started:  # a stream already under way: nothing left to answer with
+                raise
+            log.exception("unhandled error on %s", path)
+            body = protocol.error_body(f"internal server error: {err}", type="internal_error")
+            await JSONResponse(body, status_code=500)(scope, receive, counting_send)

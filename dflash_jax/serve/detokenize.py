@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._stop = [s for s in stop if s]
         self._min_tokens = min_tokens  # vLLM's: a stop string counts only once it ends in a token past these
+        self._floor: int | None = None  # the length of the first min_tokens - 1 ids' text, once known
         self._ids: list[int] = []
         self._emitted = 0  # characters of the decoded text already handed out
         self.text = ""  # everything handed out
@@ -78,7 +79,9 @@ class IncrementalDetokenizer:
             return None
         # A stop string may begin in held-back text just before the emitted point.
         start = max(self._emitted - max(len(s) for s in self._stop) + 1, 0)
-        floor = len(self._decode(self._ids[: self._min_tokens - 1])) if self._min_tokens > 1 else 0
+        if self._floor is None:  # the text of the first min_tokens - 1 ids: fixed once they are in
+            self._floor = len(self._decode(self._ids[: self._min_tokens - 1])) if self._min_tokens > 1 else 0
+        floor = self._floor
         hits = []
         for stop in self._stop:
             at = full.find(stop, start)
