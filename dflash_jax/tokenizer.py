@@ -56,8 +56,8 @@ class ChatTokenizer:
     def _render(self, messages, template_kwargs=None) -> str:
         if "messages" in (template_kwargs or {}):
             raise ValueError("chat_template_kwargs may not set 'messages'; send them as the request's messages.")
-        variables = {"add_generation_prompt": True, **{k: v or "" for k, v in self.special.items()}}
-        variables.update(template_kwargs or {})
+        specials = {k: v or "" for k, v in self.special.items()}
+        variables = {"add_generation_prompt": True, **specials, **(template_kwargs or {})}
         return self._compiled_template.render(messages=messages, **variables)
 
     @functools.cached_property
