@@ -140,6 +140,19 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads
     return max(1, min(32, 256 // num_kv_heads // blocks))
 
 
+def latency_settings(kv_splits: int, block_rows: int, head_dim: int, f32: bool) -> dict:
+    """Triton settings for split calls, whose few programs each walk a long row and wait on
+    every chunk's loads: 64-key chunks loaded three stages ahead, each chunk's page ids one
+    chunk early, and 8 warps once the [M, H] float32 accumulator reaches 128 x 128 (4 warps
+    would hold it in too few registers). Empty (the general defaults) for unsplit calls,
+    float32 inputs and accumulators past 64 x 256, whose three stages of tiles would not fit
+    the shared memory."""
+    if kv_splits == 1 or f32 or block_rows * head_dim > 64 * 256:
+        return {}
+    return dict(block_k=64, num_stages=3, pages_ahead=True,
+                num_warps=8 if block_rows * head_dim >= 128 * 128 else 4)
+
+
 def default_block_k(block_rows: int) -> int:
     """Keys per chunk: 128 for small query blocks (decode: more bytes in flight per step),
     64 otherwise (a [M, 64] float32 score tile beside the [M, H] accumulator)."""
@@ -337,8 +350,8 @@ def paged_attention_pallas(
     block_k: int | None = None,
     kv_splits: int = 1,
     num_warps: int | None = None,
-    num_stages: int = 2,
-    pages_ahead: bool = False,
+    num_stages: int | None = None,
+    pages_ahead: bool | None = None,
     blocks=None,
     sinks_U=None,
 ):
@@ -349,11 +362,13 @@ def paged_attention_pallas(
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere.
     block_q: tokens per query block (power of two); default `default_block_q` (16 for a
         batch of 16-row verify blocks, 4 for decode with 4 query heads per kv head).
-    block_k: key positions per chunk (power of two >= 16); default `default_block_k`.
+    block_k: key positions per chunk (power of two >= 16); default `default_block_k`, or
+        `latency_settings`' where those apply.
     kv_splits: key splits per query block (power of two); > 1 for few long requests.
-    num_warps, num_stages: Triton settings (num_warps default 4, or 8 for 128-row blocks).
+    num_warps, num_stages: Triton settings; default `latency_settings`' where those apply,
+        else 2 stages and 4 warps (8 for 128-row blocks).
     pages_ahead: load each chunk's page ids one chunk early (carried in registers), so a
-        chunk's K/V loads do not wait on its page-id load.
+        chunk's K/V loads do not wait on its page-id load; default as `num_stages`.
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
     sinks_U: as the reference's.
@@ -377,8 +392,12 @@ def paged_attention_pallas(
         num_tokens=T, num_heads=U, num_kv_heads=K, head_dim=H, num_rows=R, table_width=width,
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
-        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None, pages_ahead=pages_ahead)
-    cfg = dataclasses.replace(cfg, block_k=block_k or default_block_k(cfg.block_rows))
+        f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None)
+    latency = latency_settings(kv_splits, cfg.block_rows, H, cfg.f32)
+    if pages_ahead is None:
+        pages_ahead = latency.get("pages_ahead", False)
+    cfg = dataclasses.replace(cfg, block_k=block_k or latency.get("block_k") or default_block_k(cfg.block_rows),
+                              pages_ahead=pages_ahead)
     sinks_U = jnp.zeros((U,), jnp.float32) if sinks_U is None else sinks_U.astype(jnp.float32)
     if blocks is None:
         blocks = query_blocks(q_req_T, block_q)
@@ -388,7 +407,9 @@ def paged_attention_pallas(
 
     interpret = runs_interpreted(interpret)
     if num_warps is None:
-        num_warps = 8 if cfg.block_rows >= 128 else 4
+        num_warps = latency.get("num_warps", 8 if cfg.block_rows >= 128 else 4)
+    if num_stages is None:
+        num_stages = latency.get("num_stages", 2)
     splits = kv_splits
     rows = T * U
     if splits == 1:

@@ -117,7 +117,7 @@ def time_fn(fn, point, reps, chain, blocks_q=None):
 
 
 SWEEP_POINTS = ((1, 1024, 1), (1, 1024, 16), (1, 8192, 1), (8, 1024, 16), (32, 1024, 16))
-SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2) for k in (32, 64, 128) for s in (1, 4, 8)) + (
+SWEEP_SETTINGS = tuple(dict(block_k=k, kv_splits=s, num_stages=2, pages_ahead=False) for k in (32, 64, 128) for s in (1, 4, 8)) + (
     dict(block_k=None, kv_splits=1, num_stages=1), dict(block_k=None, kv_splits=1, num_stages=3))
 # Batch-1 long-context settings (--contexts), for programs that wait on their loads (few
 # programs over long rows): pipelined loads (stages 2-4, page ids a chunk ahead or not) at
