@@ -304,6 +304,26 @@ def test_rope_factors_of_another_shape_are_refused():
         target_config_from_gguf(METADATA, {"token_embd.weight", "rope_freqs.weight"}, "x.gguf", factors)
 
 
+def test_a_file_without_tokenizer_or_vocab_size_takes_the_embeddings_rows(tmp_path):
+    from dflash_jax.formats.gguf_reader import open_gguf
+
+    rows = 37
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_head_count, 2),
+                       (writer.add_embedding_length, 16), (writer.add_feed_forward_length, 32),
+                       (writer.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (rows, 16), "output_norm.weight": (16,), "blk.0.attn_norm.weight": (16,),
+              "blk.0.ffn_norm.weight": (16,), "blk.0.attn_q.weight": (16, 16), "blk.0.attn_k.weight": (16, 16),
+              "blk.0.attn_v.weight": (16, 16), "blk.0.attn_output.weight": (16, 16),
+              "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
+    write_tensors(writer, {name: rng.normal(size=shape) for name, shape in shapes.items()}, {})
+    hf_config, tensors = open_gguf(tmp_path / "bare.gguf")
+    assert hf_config["vocab_size"] == rows
+    assert tensors.shapes["token_embd.weight"] == (rows, 16)
+
+
 # --- bad input: exit code 2, one line naming the problem, nothing written -----------------------
 
 

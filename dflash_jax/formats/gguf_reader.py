@@ -121,8 +121,10 @@ def open_gguf(path: str | Path) -> tuple[dict, TensorSource]:
     gpt_oss = metadata.get("general.architecture") == "gpt-oss"
     tensors = {_gpt_oss_name(tensor.name) if gpt_oss else tensor.name: tensor for tensor in reader.tensors}
     rope_freqs = tensors.pop("rope_freqs.weight", None)
+    embedding = tensors.get("token_embd.weight")  # GGUF shapes list the fastest axis first: [hidden, vocab]
     cfg = target_config_from_gguf(metadata, set(tensors), Path(path).name,
-                                  None if rope_freqs is None else np.asarray(rope_freqs.data, np.float32))
+                                  None if rope_freqs is None else np.asarray(rope_freqs.data, np.float32),
+                                  None if embedding is None else int(embedding.shape[-1]))
     # llama.cpp interleaves the q/k rows of llama files only (its `permute`)
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if metadata["general.architecture"] == "llama" else {}
     projections = [f"blk.{i}.{kind}.weight" for i in range(cfg.num_layers) for kind in PROJECTIONS]
@@ -241,10 +243,11 @@ def gguf_metadata(reader) -> dict:
 
 
 def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: str,
-                            rope_freqs: np.ndarray | None = None) -> TargetConfig:
-    """`<architecture>.*` metadata -> TargetConfig; vocabulary from the token list or the
-    embedding; `rope_freqs`: the file's `rope_freqs.weight` (Llama 3.1's per-frequency RoPE
-    factors), read back as the llama3 scaling that made them."""
+                            rope_freqs: np.ndarray | None = None, embedding_rows: int | None = None) -> TargetConfig:
+    """`<architecture>.*` metadata -> TargetConfig; vocabulary from the token list, else the
+    `vocab_size` metadata, else the embedding's `embedding_rows`; `rope_freqs`: the file's
+    `rope_freqs.weight` (Llama 3.1's per-frequency RoPE factors), read back as the llama3
+    scaling that made them."""
     architecture = metadata.get("general.architecture")
     if architecture not in ARCHITECTURES:
         raise ConversionError(f"{file_name} holds a {architecture!r} model; supported GGUF architectures are "
@@ -265,9 +268,10 @@ def target_config_from_gguf(metadata: dict, tensor_names: set[str], file_name: s
     hidden, heads = int(field("embedding_length")), int(field("attention.head_count"))
     head_dim = int(field("attention.key_length", hidden // heads))
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens else metadata.get(f"{architecture}.vocab_size")
+    vocab_size = len(tokens) if tokens else metadata.get(f"{architecture}.vocab_size", embedding_rows)
     if vocab_size is None:
-        raise ConversionError(f"{file_name} has neither a token list nor {architecture}.vocab_size metadata.")
+        raise ConversionError(f"{file_name} has neither a token list, {architecture}.vocab_size metadata nor a "
+                              "token_embd.weight tensor; the file is incomplete.")
     layers = int(field("block_count"))
     if architecture == "gpt-oss":
         return _gpt_oss_config(field, int(vocab_size), layers, "output.weight" not in tensor_names, file_name)
