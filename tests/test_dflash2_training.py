@@ -9,6 +9,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dflash_jax
 from dflash_jax import cli
@@ -22,6 +23,7 @@ from dflash_jax.train.loss import selector_loss_terms, slot_weights
 from dflash_jax.train.step import Hyperparams, drafter_params, make_optimizer
 from dflash_jax.train.trainer import train_drafter
 from test_train_forward import DRAFTER, tiny_pair
+from dflash_jax.train.data import save_dataset
 from test_train_loop import dense_greedy, greedy_dataset
 
 DFLASH2 = dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
@@ -163,3 +165,45 @@ def test_train_cli_grows_a_dflash2_drafter_and_exports_it(tmp_path, capsys):
     loaded = dflash_jax.load_drafter(exported)
     assert loaded.cfg.dflash2 == DFlash2Config(2, 8, 4, 3) and loaded.cfg.num_layers == dflash1.cfg.num_layers
     assert "DFlash 2" in (exported / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_train_cli_resumes_a_dflash2_run_as_it_started_and_refuses_flags_that_disagree(tmp_path, capsys):
+    target, dflash1 = tiny_pair()
+    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
+    save_checkpoint(dflash1, to_hf_config(dflash1.cfg), tmp_path / "dflash1")
+    greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    shape = ["--conv-kernel-size", "2", "--conv-group-size", "8", "--selector-rank", "4", "--selector-top-k", "3"]
+    common = ["--steps", "2", "--batch-size", "4", "--max-length", "16", "--max-anchors", "4", "--dtype", "float32"]
+
+    def train(out, *flags, data="data.npz"):
+        return cli.main(["train-drafter", str(tmp_path / "target"), str(tmp_path / data), str(tmp_path / out),
+                         *flags, *common])
+
+    assert train("loose", *shape) == 2
+    assert "shape a DFlash 2 drafter; add --dflash2" in capsys.readouterr().err
+    vocab = target.cfg.vocab_size
+    save_dataset(tmp_path / "other.npz", [([1, 2, vocab], [False, True, True])] * 4, {"source": "another target"})
+    assert train("other", "--drafter", str(tmp_path / "dflash1"), data="other.npz") == 2
+    assert f"token id {vocab}, past" in capsys.readouterr().err
+
+    # a new drafter, stopped before its first checkpoint (only its config written), then run again
+    scratch = ["--dflash2", *shape, "--num-layers", "1", "--block-size", "4", "--mask-token-id", "63"]
+    assert train("whole", *scratch) == 0
+    (tmp_path / "resumed").mkdir()
+    (tmp_path / "resumed" / "drafter_config.json").write_text((tmp_path / "whole" / "drafter_config.json").read_text())
+    assert train("resumed", *scratch) == 0
+    whole, resumed = (dflash_jax.load_drafter(tmp_path / run / "drafter", dtype="float32") for run in ("whole", "resumed"))
+    for (name, a), (_, b) in zip(*(sorted(nnx.to_flat_state(nnx.state(d, nnx.Param))) for d in (whole, resumed))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(name))
+
+    # a DFlash 2 --drafter keeps its shape; a grown run resumed with other shape flags is refused
+    assert train("again", "--drafter", str(tmp_path / "whole" / "drafter"), "--dflash2", "--selector-top-k", "5") == 2
+    assert "--selector-top-k 5 (the drafter's: 3)" in capsys.readouterr().err
+    grown = with_dflash2(dflash1, DFlash2Config(3, 8, 4, 3))
+    (tmp_path / "grown").mkdir()
+    recorded = json.dumps(to_hf_config(grown.cfg))
+    (tmp_path / "grown" / "drafter_config.json").write_text(recorded)
+    assert train("grown", "--drafter", str(tmp_path / "dflash1"), "--dflash2", *shape) == 2
+    assert "rerun with the first run's flags" in capsys.readouterr().err
+    assert (tmp_path / "grown" / "drafter_config.json").read_text() == recorded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -83,11 +84,11 @@ def add_parser(subparsers) -> None:
     dflash2 = train.add_argument_group("DFlash 2", "a new drafter, or one grown from a DFlash-1 --drafter, with "
                                        "convolutions around its sublayers and a candidate selector")
     dflash2.add_argument("--dflash2", action="store_true", help="train a DFlash 2 drafter")
-    dflash2.add_argument("--conv-kernel-size", type=int, default=4, help="taps of each causal convolution")
-    dflash2.add_argument("--conv-group-size", type=int, default=64,
-                         help="channels sharing one predicted kernel (divides the hidden size)")
-    dflash2.add_argument("--selector-rank", type=int, default=256, help="rank of the selector's codebooks")
-    dflash2.add_argument("--selector-top-k", type=int, default=16, help="candidates per block position")
+    dflash2.add_argument("--conv-kernel-size", type=int, help="taps of each causal convolution (default 4)")
+    dflash2.add_argument("--conv-group-size", type=int,
+                         help="channels sharing one predicted kernel (divides the hidden size; default 64)")
+    dflash2.add_argument("--selector-rank", type=int, help="rank of the selector's codebooks (default 256)")
+    dflash2.add_argument("--selector-top-k", type=int, help="candidates per block position (default 16)")
     dflash2.add_argument("--selector-weight", type=float, default=1.0,
                          help="weight of the selector's loss beside the drafter's")
     train.add_argument("--seed", type=int, default=0,
@@ -218,6 +219,8 @@ def run_train(args: argparse.Namespace) -> None:
     with quiet_checkpoint_reads():
         target = load_target(args.target)
     config_path = args.out / "drafter_config.json"
+    saved_cfg = parse_drafter_config(json.loads(config_path.read_text())) if config_path.is_file() else None
+    check_token_ids(dataset, target.cfg.vocab_size, args)
     if args.drafter:
         with quiet_checkpoint_reads():
             drafter = load_drafter(args.drafter, dtype="float32")
@@ -229,8 +232,17 @@ def run_train(args: argparse.Namespace) -> None:
                              "train; start from a full-vocabulary drafter.")
         if args.dflash2 and drafter.cfg.dflash2 is None:
             drafter = with_dflash2(drafter, _dflash2_config(args, drafter.cfg), seed=args.seed)
-    elif config_path.is_file():  # resuming: the saved config wins over the shape flags
-        drafter = Drafter(parse_drafter_config(json.loads(config_path.read_text())), rngs=nnx.Rngs(args.seed))
+        elif args.dflash2:
+            check_dflash2_flags_fit(args, drafter.cfg.dflash2)
+        if saved_cfg is not None and saved_cfg != drafter.cfg:
+            differing = ", ".join(f.name for f in dataclasses.fields(saved_cfg)
+                                  if getattr(saved_cfg, f.name) != getattr(drafter.cfg, f.name))
+            raise ValueError(f"{config_path} records the drafter this run started as, which --drafter and the flags "
+                             f"now give otherwise ({differing}); rerun with the first run's flags, or choose another OUT.")
+    elif saved_cfg is not None:  # resuming: the saved config wins over the shape flags
+        drafter = Drafter(saved_cfg, rngs=nnx.Rngs(args.seed))
+        if saved_cfg.dflash2 is not None:
+            start_dflash2_parts(drafter)
     else:
         mask = args.mask_token_id
         if mask is None:
@@ -267,9 +279,34 @@ def _dflash2_config(args: argparse.Namespace, model_cfg):
     """The DFlash 2 flags as a config that fits `model_cfg`'s hidden size and vocabulary."""
     from dflash_jax.config import parse_dflash2
 
-    flags = {"conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
-             "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k}
+    flags = {**DFLASH2_DEFAULTS, **_dflash2_flags(args)}
     return parse_dflash2(flags.get, model_cfg.hidden_size, model_cfg.vocab_size)
+
+
+DFLASH2_DEFAULTS = {"conv_kernel_size": 4, "conv_group_size": 64, "selector_rank": 256, "selector_top_k": 16}
+
+
+def _dflash2_flags(args: argparse.Namespace) -> dict[str, int]:
+    """The DFlash 2 shape flags given on the command line, by config field."""
+    return {name: getattr(args, name) for name in DFLASH2_DEFAULTS if getattr(args, name) is not None}
+
+
+def check_dflash2_flags_fit(args: argparse.Namespace, dflash2) -> None:
+    """A DFlash 2 --drafter keeps its shape: shape flags that say otherwise are refused, not ignored."""
+    differing = {name: value for name, value in _dflash2_flags(args).items() if getattr(dflash2, name) != value}
+    if differing:
+        given = ", ".join(f"--{name.replace('_', '-')} {value} (the drafter's: {getattr(dflash2, name)})"
+                          for name, value in differing.items())
+        raise ValueError(f"--drafter is a DFlash 2 drafter already, trained as it is: {given}; drop those flags.")
+
+
+def check_token_ids(dataset, vocab_size: int, args: argparse.Namespace) -> None:
+    """Training sets built for another target (ids past this target's vocabulary) are refused."""
+    largest = int(dataset.token_ids.max(initial=0))
+    if largest >= vocab_size:
+        raise ValueError(f"the training data holds token id {largest}, past {args.target}'s vocabulary of {vocab_size} "
+                         "tokens: it was built for another target; build it for this one with "
+                         "`dflash-jax build-drafter-data`.")
 
 
 def check_train_args(args: argparse.Namespace) -> None:
@@ -286,6 +323,11 @@ def check_train_args(args: argparse.Namespace) -> None:
         finite(flag, value, positive=True)
     finite("--weight-decay", args.weight_decay)
     finite("--selector-weight", args.selector_weight)
+    for name, value in _dflash2_flags(args).items():
+        at_least(f"--{name.replace('_', '-')}", value, 1)
+    if _dflash2_flags(args) and not args.dflash2:
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in _dflash2_flags(args))} shape a DFlash 2 "
+                         "drafter; add --dflash2, or drop them.")
     if not (math.isfinite(args.warmup_ratio) and 0 <= args.warmup_ratio < 1):
         raise ValueError(f"--warmup-ratio must lie in [0, 1), got {args.warmup_ratio}.")
     if not (math.isfinite(args.soft_labels) and 0 <= args.soft_labels <= 1):
