@@ -142,12 +142,19 @@ def test_training_a_grown_drafter_lowers_the_selector_loss_and_stays_lossless(tm
     assert max(accepted) > 1
 
 
+def saved_pair(folder):
+    """The tiny target and DFlash-1 drafter saved as `folder`/target and /dflash1, and a
+    training set of the target's greedy answers as /data.npz."""
+    target, dflash1 = tiny_pair()
+    save_checkpoint(target, to_hf_config(target.cfg), folder / "target")
+    save_checkpoint(dflash1, to_hf_config(dflash1.cfg), folder / "dflash1")
+    greedy_dataset(folder / "data.npz", target, num_prompts=8, new_tokens=12)
+    return target, dflash1
+
+
 @pytest.mark.slow
 def test_train_cli_grows_a_dflash2_drafter_and_exports_it(tmp_path, capsys):
-    target, dflash1 = tiny_pair()
-    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
-    save_checkpoint(dflash1, to_hf_config(dflash1.cfg), tmp_path / "dflash1")
-    greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    target, dflash1 = saved_pair(tmp_path)
     train = ["train-drafter", str(tmp_path / "target"), str(tmp_path / "data.npz"), str(tmp_path / "run"),
              "--drafter", str(tmp_path / "dflash1"), "--dflash2", "--conv-kernel-size", "2", "--conv-group-size", "8",
              "--selector-rank", "4", "--selector-top-k", "3", "--steps", "2", "--batch-size", "4",
@@ -169,10 +176,7 @@ def test_train_cli_grows_a_dflash2_drafter_and_exports_it(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_cli_resumes_a_dflash2_run_as_it_started_and_refuses_flags_that_disagree(tmp_path, capsys):
-    target, dflash1 = tiny_pair()
-    save_checkpoint(target, to_hf_config(target.cfg), tmp_path / "target")
-    save_checkpoint(dflash1, to_hf_config(dflash1.cfg), tmp_path / "dflash1")
-    greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    target, dflash1 = saved_pair(tmp_path)
     shape = ["--conv-kernel-size", "2", "--conv-group-size", "8", "--selector-rank", "4", "--selector-top-k", "3"]
     common = ["--steps", "2", "--batch-size", "4", "--max-length", "16", "--max-anchors", "4", "--dtype", "float32"]
 
