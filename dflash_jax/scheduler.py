@@ -217,8 +217,9 @@ class Scheduler:
         """Where a chunk ending at `end` saves its state (-1: it does not end at a boundary)."""
         if self._boundary(request, end) != end:
             return -1
-        keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, end // self.page_size)
-        slot = self.saved_states.claim(keys[-1])
+        pages = end // self.page_size  # the request's keys may run past `end` (admission hashed its full pages)
+        keys = extend_page_keys(request.page_keys, request.tokens, self.page_size, pages)
+        slot = self.saved_states.claim(keys[pages - 1])
         return -1 if slot is None else slot
 
     def launched(self, work: list[Work]) -> None:

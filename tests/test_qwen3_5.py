@@ -347,6 +347,31 @@ def test_saved_states_are_pinned_until_read_and_evicted_oldest_first():
     assert saved.claim(b"e") == c and saved.deepest([b"d"]) is None and saved.deepest([b"a"]) == (1, a)
 
 
+def test_each_saved_state_goes_under_the_key_of_the_page_its_chunk_ends():
+    """A prompt crossing several saving boundaries (every 8 tokens here, and its last full
+    page at 28) saves each chunk's state under the key of the page that chunk ends at, not
+    under the key of the prompt's last page, which admission has already hashed."""
+    from dflash_jax.prefix_cache import PrefixCache, extend_page_keys
+    from dflash_jax.prefix_states import SavedStates
+    from dflash_jax.requests import RequestStats, SamplingParams
+    from dflash_jax.scheduler import Request, Scheduler
+
+    saved = SavedStates(capacity=8, interval=8)
+    scheduler = Scheduler(max_num_reqs=1, max_num_tokens=16, num_drafts=0, lookahead=1, page_size=4,
+                          allocator=PrefixCache(32), window_allocators=[], windows=(), saved_states=saved)
+    tokens = list(range(1, 31))
+    scheduler.add(Request(0, len(tokens), tokens, SamplingParams(max_new_tokens=1), RequestStats()))
+    ends = []
+    while not scheduler.running or not scheduler.running[0].decoding:
+        (work,) = scheduler.schedule()
+        end = work.request.num_computed + work.rows
+        if work.save >= 0:
+            ends.append(end)
+            assert saved._key_of[work.save] == extend_page_keys([], tokens, 4, end // 4)[-1], end
+        scheduler.launched([work])
+    assert ends == [8, 16, 24, 28]
+
+
 @pytest.mark.slow
 def test_the_cli_generates_with_a_hybrid_target(decoding_pair, capsys):
     _, target, _, tmp = decoding_pair
