@@ -205,6 +205,13 @@ def drafts_to_verify(remaining_R, num_drafts: int):
     return jnp.clip(remaining_R - 1, 0, num_drafts)
 
 
+def tail_block_lens(remaining_R, draft_block_size: int):
+    """Block positions each row drafts across: the anchor and as many positions as the row may
+    still commit, at most the whole block. Near its length cap a row drafts a shorter block,
+    as z-lab's loop does (its drafter attends across the shorter block only)."""
+    return jnp.clip(remaining_R + 1, 1, draft_block_size)
+
+
 def commit_counts(tokens_RQ, num_accepted_R, remaining_R, stop_ids_RE):
     """(count_R, stopped_R): a row commits its accepted drafts and the target's token, up to
     and including its first stop token; nothing if it had nothing remaining. E.g. tokens [5, 9,
@@ -434,7 +441,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             last_sampled_R=next_anchor_R,
             next_prefill_tokens_R=batch.next_prefill_tokens_R,
             num_drafts=n, draft_block_size=cfg.draft_block_size, max_model_len=cfg.max_model_len,
-            kernels=cfg.kernels,
+            kernels=cfg.kernels, block_lens_R=tail_block_lens(batch.remaining_R - count_R, cfg.draft_block_size),
         )
         with jax.named_scope("sample_drafts"):
             if models[1].cfg.dflash2 is None:

@@ -156,9 +156,11 @@ def draft_step(
     draft_block_size: int,
     max_model_len: int,
     kernels: Kernels,
+    block_lens_R=None,
 ):
     """(caches, draft logits [R, N, V] float32, their hidden states [R, N, D]) after the target
-    ran `batch`.
+    ran `batch`. `block_lens_R`: the block positions each row's drafter attends across (None:
+    all `draft_block_size`).
 
     `caches` and `page_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
@@ -177,7 +179,7 @@ def draft_step(
         caches = write_context_kv(drafter, caches, layouts, features_TF)
     with jax.named_scope("draft_block"):
         return draft_block(target, drafter, caches, page_tables, layouts, num_drafts=num_drafts,
-                           draft_block_size=draft_block_size, kernels=kernels)
+                           draft_block_size=draft_block_size, kernels=kernels, block_lens_R=block_lens_R)
 
 
 def draft_layouts(drafter: Drafter, caches, page_tables, batch: TargetBatch, *, num_rejected_R, num_sampled_R,
@@ -225,21 +227,26 @@ def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], feat
 
 
 def draft_block(target: Target, drafter: Drafter, caches, page_tables, layouts: list[DFlashLayout], *,
-                num_drafts: int, draft_block_size: int, kernels: Kernels):
+                num_drafts: int, draft_block_size: int, kernels: Kernels, block_lens_R=None):
     """(caches, draft logits [R, N, V] float32, the drafter's hidden states of those rows
     [R, N, D]): the block's query rows through the drafter, their K/V written to the caches,
-    logits at the sample rows through the target's head."""
+    logits at the sample rows through the target's head. With `block_lens_R`, each row's
+    keys end after that many block positions (a shorter block: the rows past it draft what
+    no one verifies)."""
     num_rows = page_tables[0].shape[0]
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
     layout = layouts[0]  # ids, positions and sample rows are the same in every group
     query_rows = jnp.arange(num_rows * draft_block_size, dtype=jnp.int32) // draft_block_size
+    seq_lens_R = layout.seq_lens
+    if block_lens_R is not None:
+        seq_lens_R = jnp.maximum(seq_lens_R - (draft_block_size - block_lens_R), 0)
 
     def attend(layer, heads):
         group, index = groups.group_of(layer)
         out_TUH, caches[group] = attend_paged(
             drafter.mesh, caches[group], index, heads, kernels, slots_T=layouts[group].query_slot_mapping,
-            q_rows_T=query_rows, page_table=page_tables[group], seq_lens_R=layout.seq_lens,
+            q_rows_T=query_rows, page_table=page_tables[group], seq_lens_R=seq_lens_R,
             rule=drafter.cfg.layers[layer])
         return out_TUH
 

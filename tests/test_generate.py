@@ -162,10 +162,7 @@ def test_matches_zlab_reference_loop(tmp_path, kind):
     ours = generate(target, drafter, PROMPTS, max_new_tokens=48)
     means = []
     for prompt, tokens, lengths in zip(PROMPTS, ours.token_ids, ours.accepted_lengths):
-        ref_tokens, ref_lengths = zlab_generate(zlab, hf, prompt, 48)
-        assert tokens == ref_tokens
-        # The reference shortens its last blocks near max_new_tokens; compare the rest.
-        assert lengths[:-2] == ref_lengths[: len(lengths) - 2]
+        assert (tokens, lengths) == zlab_generate(zlab, hf, prompt, 48)
         means.append(np.mean(lengths))
     assert np.mean(means) > 1.5, means
 
