@@ -140,14 +140,18 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads
     return max(1, min(32, 256 // num_kv_heads // blocks))
 
 
+LATENCY_SPLITS = 16  # key splits from which a call's programs are few (a batch of one or two long rows)
+
+
 def latency_settings(kv_splits: int, block_rows: int, head_dim: int, f32: bool) -> dict:
-    """Triton settings for split calls, whose few programs each walk a long row and wait on
-    every chunk's loads: 64-key chunks loaded three stages ahead, each chunk's page ids one
-    chunk early, and 8 warps once the [M, H] float32 accumulator reaches 128 x 128 (4 warps
-    would hold it in too few registers). Empty (the general defaults) for unsplit calls,
-    float32 inputs and accumulators past 64 x 256, whose three stages of tiles would not fit
-    the shared memory."""
-    if kv_splits == 1 or f32 or block_rows * head_dim > 64 * 256:
+    """Triton settings for calls split `LATENCY_SPLITS` ways or more, whose few programs each
+    walk a long row and wait on every chunk's loads: 64-key chunks loaded three stages ahead,
+    each chunk's page ids one chunk early, and 8 warps once the [M, H] float32 accumulator
+    reaches 128 x 128 (4 warps would hold it in too few registers). Empty (the general
+    defaults) for other calls (more programs hide each other's waits, and three stages would
+    fit fewer of them an SM), float32 inputs and accumulators past 64 x 256, whose three
+    stages of tiles would not fit the shared memory."""
+    if kv_splits < LATENCY_SPLITS or f32 or block_rows * head_dim > 64 * 256:
         return {}
     return dict(block_k=64, num_stages=3, pages_ahead=True,
                 num_warps=8 if block_rows * head_dim >= 128 * 128 else 4)

@@ -274,6 +274,7 @@ def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, kv_heads, want
     (32, 16, 256, False, dict(block_k=64, num_stages=3, pages_ahead=True, num_warps=4)),  # its decode step
     (32, 64, 128, False, dict(block_k=64, num_stages=3, pages_ahead=True, num_warps=4)),  # its drafter's block
     (1, 64, 256, False, {}),     # unsplit: prefill and big batches keep the general settings
+    (4, 16, 256, False, {}),     # a few splits (batch 8 or more): programs enough to hide the waits
     (32, 64, 128, True, {}),     # three stages of float32 tiles would not fit shared memory
     (32, 128, 256, False, {}),   # nor would a 128 x 256 block's
 ])
