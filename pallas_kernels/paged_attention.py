@@ -143,18 +143,21 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads
 LATENCY_SPLITS = 16  # key splits from which a call's programs are few (a batch of one or two long rows)
 
 
-def latency_settings(kv_splits: int, block_rows: int, head_dim: int, f32: bool) -> dict:
-    """Triton settings for calls split `LATENCY_SPLITS` ways or more, whose few programs each
-    walk a long row and wait on every chunk's loads: 64-key chunks loaded three stages ahead,
-    each chunk's page ids one chunk early, and 8 warps once the [M, H] float32 accumulator
-    reaches 128 x 128 (4 warps would hold it in too few registers). Empty (the general
-    defaults) for other calls (more programs hide each other's waits, and three stages would
-    fit fewer of them an SM), float32 inputs and accumulators past 64 x 256, whose three
-    stages of tiles would not fit the shared memory."""
-    if kv_splits < LATENCY_SPLITS or f32 or block_rows * head_dim > 64 * 256:
-        return {}
-    return dict(block_k=64, num_stages=3, pages_ahead=True,
-                num_warps=8 if block_rows * head_dim >= 128 * 128 else 4)
+def default_settings(kv_splits: int, block_rows: int, head_dim: int, f32: bool) -> dict:
+    """Triton settings (block_k, num_stages, pages_ahead, num_warps) for a call.
+
+    Calls split `LATENCY_SPLITS` ways or more have few programs, each walking a long row and
+    waiting on every chunk's loads: 64-key chunks loaded three stages ahead, each chunk's page
+    ids one chunk early, and 8 warps once the [M, H] float32 accumulator reaches 128 x 128 (4
+    warps would hold it in too few registers). Other calls (more programs hide each other's
+    waits, and three stages would fit fewer of them an SM), float32 inputs and accumulators
+    past 64 x 256 (three stages of their tiles would not fit the shared memory) take two
+    stages, `default_block_k` and 4 warps (8 for 128-row blocks)."""
+    if kv_splits >= LATENCY_SPLITS and not f32 and block_rows * head_dim <= 64 * 256:
+        return dict(block_k=64, num_stages=3, pages_ahead=True,
+                    num_warps=8 if block_rows * head_dim >= 128 * 128 else 4)
+    return dict(block_k=default_block_k(block_rows), num_stages=2, pages_ahead=False,
+                num_warps=8 if block_rows >= 128 else 4)
 
 
 def default_block_k(block_rows: int) -> int:
@@ -366,13 +369,12 @@ def paged_attention_pallas(
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere.
     block_q: tokens per query block (power of two); default `default_block_q` (16 for a
         batch of 16-row verify blocks, 4 for decode with 4 query heads per kv head).
-    block_k: key positions per chunk (power of two >= 16); default `default_block_k`, or
-        `latency_settings`' where those apply.
+    block_k: key positions per chunk (power of two >= 16).
     kv_splits: key splits per query block (power of two); > 1 for few long requests.
-    num_warps, num_stages: Triton settings; default `latency_settings`' where those apply,
-        else 2 stages and 4 warps (8 for 128-row blocks).
+    num_warps, num_stages: Triton settings.
     pages_ahead: load each chunk's page ids one chunk early (carried in registers), so a
-        chunk's K/V loads do not wait on its page-id load; default as `num_stages`.
+        chunk's K/V loads do not wait on its page-id load.
+    (block_k, num_warps, num_stages, pages_ahead: None takes `default_settings`'.)
     blocks: `query_blocks(q_req_T, block_q)` computed once per step (its block_q at most
         this call's), or None to compute it here.
     sinks_U: as the reference's.
@@ -397,11 +399,10 @@ def paged_attention_pallas(
         page_size=page_size, causal=rule.causal, window=rule.window, block_q=block_q,
         block_k=0, kv_splits=kv_splits, num_programs=min(T, max_query_blocks(T, R, block_q) + 1),
         f32=q_TUH.dtype == jnp.float32, sinks=sinks_U is not None)
-    latency = latency_settings(kv_splits, cfg.block_rows, H, cfg.f32)
-    if pages_ahead is None:
-        pages_ahead = latency.get("pages_ahead", False)
-    cfg = dataclasses.replace(cfg, block_k=block_k or latency.get("block_k") or default_block_k(cfg.block_rows),
-                              pages_ahead=pages_ahead)
+    given = dict(block_k=block_k, num_stages=num_stages, pages_ahead=pages_ahead, num_warps=num_warps)
+    settings = default_settings(kv_splits, cfg.block_rows, H, cfg.f32) | {
+        name: value for name, value in given.items() if value is not None}
+    cfg = dataclasses.replace(cfg, block_k=settings["block_k"], pages_ahead=settings["pages_ahead"])
     sinks_U = jnp.zeros((U,), jnp.float32) if sinks_U is None else sinks_U.astype(jnp.float32)
     if blocks is None:
         blocks = query_blocks(q_req_T, block_q)
@@ -410,10 +411,6 @@ def paged_attention_pallas(
                          f"is {block_q}; pass query_blocks(q_req_T, {block_q}).")
 
     interpret = runs_interpreted(interpret)
-    if num_warps is None:
-        num_warps = latency.get("num_warps", 8 if cfg.block_rows >= 128 else 4)
-    if num_stages is None:
-        num_stages = latency.get("num_stages", 2)
     splits = kv_splits
     rows = T * U
     if splits == 1:
@@ -427,7 +424,7 @@ def paged_attention_pallas(
         out_shape=out_shape,
         grid=(cfg.num_programs, K, splits),
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=settings["num_warps"], num_stages=settings["num_stages"]),
         name="paged_attention_ragged",
     )(blocks.first, blocks.num_blocks, q_req_T, q_positions_T, seq_lens_R,
       block_table_RP.reshape(-1), q_TUH.reshape(rows, H), k_slots_XKH.reshape(X * K, H),

@@ -19,7 +19,7 @@ from dflash_jax.config import LayerAttention
 from pallas_kernels.paged_attention import (
     default_block_q,
     default_kv_splits,
-    latency_settings,
+    default_settings,
     paged_attention_pallas,
     query_blocks,
 )
@@ -269,17 +269,22 @@ def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, kv_heads, want
     assert default_kv_splits(num_tokens, num_rows, block_q, kv_heads) == want
 
 
+AHEAD = dict(block_k=64, num_stages=3, pages_ahead=True)
+
+
 @pytest.mark.parametrize("kv_splits, block_rows, head_dim, f32, want", [
-    (32, 64, 256, False, dict(block_k=64, num_stages=3, pages_ahead=True, num_warps=8)),  # Qwen3.5 verify block
-    (32, 16, 256, False, dict(block_k=64, num_stages=3, pages_ahead=True, num_warps=4)),  # its decode step
-    (32, 64, 128, False, dict(block_k=64, num_stages=3, pages_ahead=True, num_warps=4)),  # its drafter's block
-    (1, 64, 256, False, {}),     # unsplit: prefill and big batches keep the general settings
-    (4, 16, 256, False, {}),     # a few splits (batch 8 or more): programs enough to hide the waits
-    (32, 64, 128, True, {}),     # three stages of float32 tiles would not fit shared memory
-    (32, 128, 256, False, {}),   # nor would a 128 x 256 block's
+    (32, 64, 256, False, dict(AHEAD, num_warps=8)),   # Qwen3.5 verify block
+    (32, 16, 256, False, dict(AHEAD, num_warps=4)),   # its decode step
+    (32, 64, 128, False, dict(AHEAD, num_warps=4)),   # its drafter's block
+    (1, 64, 256, False, dict(block_k=64, num_stages=2, pages_ahead=False, num_warps=4)),  # unsplit: prefill, big batches
+    (4, 16, 256, False, dict(block_k=128, num_stages=2, pages_ahead=False, num_warps=4)),  # a few splits: programs
+    # enough to hide the waits
+    (32, 64, 128, True, dict(block_k=64, num_stages=2, pages_ahead=False, num_warps=4)),  # three stages of float32
+    # tiles would not fit shared memory
+    (32, 128, 256, False, dict(block_k=64, num_stages=2, pages_ahead=False, num_warps=8)),  # nor would 128 x 256's
 ])
 def test_split_calls_load_ahead_where_their_tiles_fit(kv_splits, block_rows, head_dim, f32, want):
-    assert latency_settings(kv_splits, block_rows, head_dim, f32) == want
+    assert default_settings(kv_splits, block_rows, head_dim, f32) == want
 
 
 @pytest.mark.parametrize("num_tokens, num_rows, group, want_bf16, want_f32", [

@@ -220,7 +220,7 @@ def run_train(args: argparse.Namespace) -> None:
         target = load_target(args.target)
     config_path = args.out / "drafter_config.json"
     saved_cfg = parse_drafter_config(json.loads(config_path.read_text())) if config_path.is_file() else None
-    check_token_ids(dataset, target.cfg.vocab_size, args)
+    check_token_ids(dataset, target.cfg.vocab_size, args.target)
     if args.drafter:
         with quiet_checkpoint_reads():
             drafter = load_drafter(args.drafter, dtype="float32")
@@ -291,20 +291,25 @@ def _dflash2_flags(args: argparse.Namespace) -> dict[str, int]:
     return {name: getattr(args, name) for name in DFLASH2_DEFAULTS if getattr(args, name) is not None}
 
 
+def _flag(name: str) -> str:
+    """A config field's command-line flag: conv_kernel_size -> --conv-kernel-size."""
+    return "--" + name.replace("_", "-")
+
+
 def check_dflash2_flags_fit(args: argparse.Namespace, dflash2) -> None:
     """A DFlash 2 --drafter keeps its shape: shape flags that say otherwise are refused, not ignored."""
     differing = {name: value for name, value in _dflash2_flags(args).items() if getattr(dflash2, name) != value}
     if differing:
-        given = ", ".join(f"--{name.replace('_', '-')} {value} (the drafter's: {getattr(dflash2, name)})"
+        given = ", ".join(f"{_flag(name)} {value} (the drafter's: {getattr(dflash2, name)})"
                           for name, value in differing.items())
         raise ValueError(f"--drafter is a DFlash 2 drafter already, trained as it is: {given}; drop those flags.")
 
 
-def check_token_ids(dataset, vocab_size: int, args: argparse.Namespace) -> None:
+def check_token_ids(dataset, vocab_size: int, target: Path) -> None:
     """Training sets built for another target (ids past this target's vocabulary) are refused."""
     largest = int(dataset.token_ids.max(initial=0))
     if largest >= vocab_size:
-        raise ValueError(f"the training data holds token id {largest}, past {args.target}'s vocabulary of {vocab_size} "
+        raise ValueError(f"the training data holds token id {largest}, past {target}'s vocabulary of {vocab_size} "
                          "tokens: it was built for another target; build it for this one with "
                          "`dflash-jax build-drafter-data`.")
 
@@ -323,11 +328,11 @@ def check_train_args(args: argparse.Namespace) -> None:
         finite(flag, value, positive=True)
     finite("--weight-decay", args.weight_decay)
     finite("--selector-weight", args.selector_weight)
-    for name, value in _dflash2_flags(args).items():
-        at_least(f"--{name.replace('_', '-')}", value, 1)
-    if _dflash2_flags(args) and not args.dflash2:
-        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in _dflash2_flags(args))} shape a DFlash 2 "
-                         "drafter; add --dflash2, or drop them.")
+    shape_flags = _dflash2_flags(args)
+    for name, value in shape_flags.items():
+        at_least(_flag(name), value, 1)
+    if shape_flags and not args.dflash2:
+        raise ValueError(f"{', '.join(map(_flag, shape_flags))} shape a DFlash 2 drafter; add --dflash2, or drop them.")
     if not (math.isfinite(args.warmup_ratio) and 0 <= args.warmup_ratio < 1):
         raise ValueError(f"--warmup-ratio must lie in [0, 1), got {args.warmup_ratio}.")
     if not (math.isfinite(args.soft_labels) and 0 <= args.soft_labels <= 1):
