@@ -50,19 +50,22 @@ CHOICES = {
     "heads": ("auto", "reference", "pallas"),
     "quantized": ("auto", "reference", "pallas"),
     "experts": ("auto", "reference", "pallas"),
-    "recurrence": ("auto", "reference", "pallas", "fused"),
+    "recurrence": ("auto", "reference", "pallas", "fused", "fused_decode"),
     "prefill_rule": ("auto", "chunks", "tokens"),
 }
 # What "auto" means: (on a GPU, elsewhere). Long prefill rows walk token by token on a GPU,
-# where the chunked rule measured no faster (bench/results).
-AUTO = {name: ("pallas", "reference") for name in CHOICES} | {"prefill_rule": ("tokens", "chunks")}
+# where the chunked rule measured no faster; the rule computes its own convolution and norms
+# in decode steps only, where that measured faster (bench/results).
+AUTO = ({name: ("pallas", "reference") for name in CHOICES}
+        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference")})
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
-    its own inputs, convolution and norms). Hashable: a static jit argument."""
+    its own inputs, convolution and norms, and "fused_decode", that rule in steps of one token
+    a row and "pallas" in the others). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -139,12 +142,14 @@ class Kernels:
         """`delta_rule_reference`'s signature: the gated delta rule over ragged rows."""
         return delta_rule_reference if self._chosen("recurrence") == "reference" else delta_rule_pallas
 
-    @property
-    def conv_delta_rule(self):
+    def conv_delta_rule(self, one_token_rows: bool):
         """`conv_delta_rule_pallas` (the rule with its convolution and norms in the kernel)
-        where `recurrence` is "fused", else None (the convolution and norms in jnp, then
-        `delta_rule`)."""
-        return conv_delta_rule_pallas if self._chosen("recurrence") == "fused" else None
+        where `recurrence` is "fused", or "fused_decode" in a step whose rows hold one token
+        each (`one_token_rows`); else None (the convolution and norms in jnp, then
+        `delta_rule`). A verify block's commit walks its kept tokens again, which the fused
+        rule pays with the convolution again, the other with the kept q/k/v."""
+        chosen = self._chosen("recurrence")
+        return conv_delta_rule_pallas if chosen == "fused" or (chosen == "fused_decode" and one_token_rows) else None
 
     @property
     def chunked_delta_rule(self):
@@ -197,7 +202,8 @@ def add_kernels_argument(parser) -> None:
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
         "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
-        "recurrence also fused: the convolution and norms inside the rule's kernel); auto, "
-        "the default, is Pallas on a GPU and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
+        "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
+        "steps of one token a row, pallas in the others); auto, "
+        "the default, is Pallas on a GPU (recurrence: fused_decode) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

@@ -205,7 +205,7 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
     kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
     history = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R)
-    fused = kernels.conv_delta_rule if inputs.mesh is None or inputs.shards > 1 else None
+    fused = kernels.conv_delta_rule(num_tokens <= starts_R.shape[0]) if inputs.mesh is None or inputs.shards > 1 else None
     if fused is not None and (prefill_R is None or num_tokens < CHUNK or kernels.chunked_delta_rule is None):
         walk = sharded_conv_rule(inputs, fused, history_RKC)
         out_THV, delta_RHKV = walk(delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R, True, commits_R)

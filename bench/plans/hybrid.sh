@@ -4,12 +4,13 @@
 # the Pallas rule), the same steps at 1x1k with the jnp reference rule, the rule alone
 # (bench.kernels.delta_rule, with the kernel settings in VARIANTS), and with PARTS naming them:
 # `profile` (device events per iteration at the first of POINTS), `sweep` (the attention
-# kernel's settings at 32k with the target's and the drafter's heads, SIDES) and `fused`
-# (generate at POINTS with the rule's convolution and norms in its kernel, recurrence=fused,
-# to compare with `steps`; PROFILE_KERNELS=recurrence=fused profiles that form).
+# kernel's settings at 32k with the target's and the drafter's heads, SIDES) and `rules`
+# (generate at POINTS with each recurrence in RULES, default "pallas fused_decode fused": the
+# rule's convolution and norms in jnp, in its kernel in one-token steps, in its kernel always;
+# PROFILE_KERNELS=recurrence=fused profiles that form).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
-#                                               # PARTS (tests,steps,reference,kernel; also fused,profile,sweep),
+#                                               # PARTS (tests,steps,reference,kernel; also rules,profile,sweep),
 #                                               # LIMIT (s, the steps), VARIANTS (u1,u4v8w1,...),
 #                                               # CHUNKED (the chunked form's v<cols>w<warps>,...),
 #                                               # SHAPES (the rule's rows x tokens), TESTS (test files)
@@ -41,9 +42,11 @@ if [[ $parts == *kernel* ]]; then
         --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
-if [[ $parts == *fused* ]]; then  # the rule with its convolution and norms in the kernel, beside `steps`' runs
-    decode hybrid-fused ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels recurrence=fused \
-        --sections generate --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 ))
+if [[ $parts == *rules* ]]; then  # the rule's convolution and norms in jnp or in its kernel, one after the other
+    for rule in ${RULES:-pallas fused_decode fused}; do
+        decode "hybrid-$rule" ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels "recurrence=$rule" \
+            --sections generate --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 )) ${POINT_BUDGET:+--point-budget-s $POINT_BUDGET}
+    done
 fi
 if [[ $parts == *profile* ]]; then
     decode hybrid-profile 200 "" --model "$shape" --points "$(big "${points%%,*}" 1x128)" --sections generate \
