@@ -14,7 +14,7 @@ from collections import Counter
 def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
     """Device events per DFlash cycle and per AR step from two jax.profiler traces (an m-run
     and an n-run of the compiled program): (events(n) - events(m)) / (iterations apart), in
-    all and per op (calls and busy us, the 25 busiest), so prefill and compile-time work cancel."""
+    all and per op (calls and busy us, the 40 busiest), so prefill and compile-time work cancel."""
     import jax
 
     from dflash_jax.generate import generate, generate_autoregressive
@@ -41,7 +41,7 @@ def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
         apart = max(i1 - i0, 1)
         ops = {op: ((calls - c0["ops"].get(op, (0, 0.0))[0]) / apart, (us - c0["ops"].get(op, (0, 0.0))[1]) / apart)
                for op, (calls, us) in c1["ops"].items()}
-        top = sorted(ops.items(), key=lambda item: -item[1][1])[:25]
+        top = sorted(ops.items(), key=lambda item: -item[1][1])[:40]
         out[name] = dict(per_iteration=per, iterations=[i0, i1], events_per_line_long_run=c1["lines"],
                          ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top],
                          op_details={op: c1["details"].get(op, "") for op, _ in top})
