@@ -350,7 +350,8 @@ def penalty_counts(counts_RV, seen_RV, inputs_RQ, verifying_R):
 
 
 def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleConfig,
-                      prefill_rows: str = "mixed") -> tuple[DecodeState, Committed]:
+                      prefill_rows: str = "mixed", context_weights: tuple | None = None
+                      ) -> tuple[DecodeState, Committed]:
     """Target forward, verification, commit, next drafts: one cycle over `batch`.
 
     `models` is (target,) or (target, drafter). Rows whose `remaining_R` is 0 commit nothing;
@@ -358,7 +359,8 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
     token the anchor. Padding rows (slot S) write no state at all. `prefill_rows` (static):
     "mixed" (any row may be a prefill chunk), "all" (every row is one) or "none" (every row
     verifies): where a hybrid target's long prefill chunks may be, and whether the batch must
-    be asked at run time (`recurrent_state.rule_by_rows`)."""
+    be asked at run time (`recurrent_state.rule_by_rows`). `context_weights`: the drafter's
+    `context_kv_weights`, built once by a program that loops over cycles (None: built here)."""
     target = models[0]
     n = cfg.num_drafts
     num_rows, num_query = batch.verify_rows_RQ.shape
@@ -442,6 +444,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             next_prefill_tokens_R=batch.next_prefill_tokens_R,
             num_drafts=n, draft_block_size=cfg.draft_block_size, max_model_len=cfg.max_model_len,
             kernels=cfg.kernels, block_lens_R=tail_block_lens(batch.remaining_R - count_R, cfg.draft_block_size),
+            context_weights=context_weights,
         )
         with jax.named_scope("sample_drafts"):
             if models[1].cfg.dflash2 is None:

@@ -316,8 +316,11 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
         stop_ids_RE=stop_ids_RE,
         sampling=sampling_rows,
     )
+    # The drafter's stacked context K/V weights, built once for every cycle of the loop
+    context_weights = models[1].context_kv_weights() if cfg.num_drafts else None
     with jax.named_scope("prefill"):
-        state, committed = speculative_cycle(models, state, prefill_batch, cfg, prefill_rows="all")
+        state, committed = speculative_cycle(models, state, prefill_batch, cfg, prefill_rows="all",
+                                             context_weights=context_weights)
     loop = _Loop(
         decode=state,
         tokens_RC=jnp.zeros((num_reqs, capacity), jnp.int32),
@@ -330,7 +333,8 @@ def _program(leaves, prefill: TargetBatch, max_new_tokens, sampling_rows: Sampli
     def cycle(loop: _Loop) -> _Loop:
         remaining_R = jnp.where(loop.done_R, 0, max_new_tokens - loop.num_generated_R)
         batch = verify_batch(loop.decode, prefill.page_table, remaining_R, stop_ids_RE, sampling_rows, page_size)
-        decode, committed = speculative_cycle(models, loop.decode, batch, cfg, prefill_rows="none")
+        decode, committed = speculative_cycle(models, loop.decode, batch, cfg, prefill_rows="none",
+                                              context_weights=context_weights)
         return dataclasses.replace(loop, decode=decode).commit(committed, True, max_new_tokens)
 
     loop = jax.lax.while_loop(lambda loop: ~jnp.all(loop.done_R), cycle, loop)

@@ -108,6 +108,8 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
                                         penalizes=penalizes)
         samples_R = batch.remaining_R > 0
         mesh = models[0].mesh
+        # The drafter's stacked context K/V weights, built once for the step's cycles
+        context_weights = models[1].context_kv_weights() if cfg.num_drafts else None
 
         def cycle(state, stopped_R):
             """One verify cycle; rows stopped in an earlier cycle of this step commit nothing.
@@ -116,7 +118,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
                 rows = fill_verify_rows(batch, state)
                 remaining_R = jnp.where(samples_R & ~stopped_R, last_pos_R - rows.anchor_pos_R, 0)
             state, committed = speculative_cycle(models, state, dataclasses.replace(rows, remaining_R=remaining_R),
-                                                 cycle_cfg)
+                                                 cycle_cfg, context_weights=context_weights)
             # The donated state comes back placed as it went in (see Engine._whole).
             state = dataclasses.replace(state, **{name: replicated(getattr(state, name), mesh) for name in (
                 "drafts_SN", "draft_probs_SNV", "anchor_S", "anchor_pos_S", "output_counts_SV",

@@ -157,10 +157,12 @@ def draft_step(
     max_model_len: int,
     kernels: Kernels,
     block_lens_R=None,
+    context_weights: tuple | None = None,
 ):
     """(caches, draft logits [R, N, V] float32, their hidden states [R, N, D]) after the target
     ran `batch`. `block_lens_R`: the block positions each row's drafter attends across (None:
-    all `draft_block_size`).
+    all `draft_block_size`). `context_weights`: the drafter's `context_kv_weights`, where a
+    loop of cycles built them once (None: built here).
 
     `caches` and `page_tables` hold one entry per drafter KV-cache group
     (`DraftCacheGroups`); the layout kernel runs once per group with that group's table.
@@ -176,7 +178,7 @@ def draft_step(
             draft_block_size=draft_block_size, max_model_len=max_model_len, layout_impl=kernels.layout,
         )
     with jax.named_scope("draft_context_kv"):
-        caches = write_context_kv(drafter, caches, layouts, features_TF)
+        caches = write_context_kv(drafter, caches, layouts, features_TF, context_weights)
     with jax.named_scope("draft_block"):
         return draft_block(target, drafter, caches, page_tables, layouts, num_drafts=num_drafts,
                            draft_block_size=draft_block_size, kernels=kernels, block_lens_R=block_lens_R)
@@ -215,12 +217,15 @@ def draft_layouts(drafter: Drafter, caches, page_tables, batch: TargetBatch, *, 
     ]
 
 
-def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], features_TF) -> tuple[PagedKVCache, ...]:
-    """Context K/V of every drafter layer from the target's features (one fused projection),
-    written to each layer's group cache at the layout's context slots."""
+def write_context_kv(drafter: Drafter, caches, layouts: list[DFlashLayout], features_TF,
+                     context_weights: tuple | None = None) -> tuple[PagedKVCache, ...]:
+    """Context K/V of every drafter layer from the target's features (one fused projection,
+    `Drafter.context_kv` with `context_weights`), written to each layer's group cache at the
+    layout's context slots."""
     groups = DraftCacheGroups.for_drafter(drafter.cfg)
     caches = list(caches)
-    for layer, (k_TKH, v_TKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions)):
+    for layer, (k_TKH, v_TKH) in enumerate(drafter.context_kv(features_TF, layouts[0].context_positions,
+                                                              context_weights)):
         group, index = groups.group_of(layer)
         caches[group] = caches[group].write(index, layouts[group].context_slot_mapping, k_TKH, v_TKH)
     return tuple(caches)

@@ -48,31 +48,41 @@ class Drafter(nnx.Module):
     def dtype(self):
         return self.norm.weight[...].dtype
 
-    def context_kv(self, features_LF, positions_L):
-        """Context K/V of every layer from target features: one GEMM against stacked weights.
-        XLA copies the layers' K/V columns into that stack each call; a product per layer is
-        no better, as it copies each layer's column slice instead (bench/LESSONS.md). On a
-        tensor-parallel mesh the stack is laid out per shard (`Attention.kv_weights`), so each
-        shard computes its own kv heads.
+    def context_kv_weights(self) -> tuple:
+        """The context K/V product's operands: every layer's K/V columns stacked side by side
+        ([D, shards x layers x 2K/shards x H]: each shard's columns of every layer together),
+        their scales where the drafter is quantized (else None) and biases (else None).
+        Stacking copies the columns (XLA copies a column slice for a per-layer product just
+        the same: bench/LESSONS.md), so a program that loops over cycles builds them once,
+        before its loop, and hands them to `context_kv`. On a tensor-parallel mesh the stack
+        is laid out per shard (`Attention.kv_weights`), so each shard computes its own kv
+        heads."""
+        weights = [layer.self_attn.kv_weights() for layer in self.layers]
+        stacked = jnp.stack([kernel for kernel, _, _ in weights], axis=2).reshape(self.cfg.hidden_size, -1)
+        scales = None
+        if self.cfg.quantization is not None:
+            scales = jnp.stack([scale for _, scale, _ in weights], axis=2)
+            scales = scales.reshape(scales.shape[0], -1)
+        bias = jnp.stack([bias for _, _, bias in weights], axis=1).reshape(-1) if self.cfg.attention_bias else None
+        return stacked, scales, bias
+
+    def context_kv(self, features_LF, positions_L, weights: tuple | None = None):
+        """Context K/V of every layer from target features: one GEMM against the stacked
+        `context_kv_weights` (`weights`, built here when None).
 
         Returns a list, per layer, of (k [L, K, H], v [L, K, H]), normed and rotated: exactly
         what the drafter's KV cache stores.
         """
         cfg = self.cfg
         ctx_LD = self.hidden_norm(replicated(self.fc(replicated(features_LF, self.mesh).astype(self.dtype)), self.mesh))
-        weights = [layer.self_attn.kv_weights() for layer in self.layers]
+        stacked, scales, bias = self.context_kv_weights() if weights is None else weights
         shards = self.layers[0].self_attn.shards
-        # [D, shards, layers, 2K/shards, H]: each shard's columns of every layer side by side
-        # (8-bit values, and their scales stacked alike, where the drafter is quantized)
-        stacked = jnp.stack([kernel for kernel, _, _ in weights], axis=2).reshape(cfg.hidden_size, -1)
-        if cfg.quantization is None:
+        if scales is None:
             kv = dot_general(ctx_LD, stacked, (((1,), (0,)), ((), ())))
         else:
-            scales = jnp.stack([scale for _, scale, _ in weights], axis=2)
-            kv = quantized_matmul_reference(ctx_LD, stacked, scales.reshape(scales.shape[0], -1),
-                                            cfg.quantization.block_in, dot_general)
-        if cfg.attention_bias:
-            kv = kv + jnp.stack([bias for _, _, bias in weights], axis=1).reshape(-1)
+            kv = quantized_matmul_reference(ctx_LD, stacked, scales, cfg.quantization.block_in, dot_general)
+        if bias is not None:
+            kv = kv + bias
         # [L, shards, layers, 2, K/shards, H]; no -1 in the shape: L is 0 before there is any context.
         kv = kv.reshape(ctx_LD.shape[0], shards, cfg.num_layers, 2, cfg.num_kv_heads // shards, cfg.head_dim)
         kv_heads = [jnp.swapaxes(kv[:, :, :, i], 1, 2).reshape(ctx_LD.shape[0], cfg.num_layers,
