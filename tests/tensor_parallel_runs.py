@@ -282,6 +282,9 @@ def qwen3_5() -> dict:
         if tp == 2:  # the Pallas rule (interpret mode) once per shard of the heads
             out["pallas 2"] = [generate(target, drafter, PROMPTS, max_new_tokens=12, kernels=Kernels(recurrence=rule))
                                .token_ids for rule in ("pallas", "fused")]
+            # one-token steps through the fused rule per shard (the GPU default)
+            out["fused decode 2"] = generate_autoregressive(target, PROMPTS, max_new_tokens=12,
+                                                            kernels=Kernels(recurrence="fused_decode")).token_ids
             out["engine 2"] = _shared_prefix_engine(target, drafter)
         mixer = target.layers[0].linear_attn
         state = RecurrentState.zeros(target.cfg, 2, target.dtype, target.mesh)

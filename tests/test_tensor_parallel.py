@@ -63,6 +63,7 @@ def test_qwen3_5_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[tp] == out["1"], tp
         assert out[f"split {tp}"] == [True] * 4, tp
     assert out["pallas 2"] == [out["1"][0]] * 2  # the rule per shard; fused: its convolution too
+    assert out["fused decode 2"] == out["ar"]
     tokens, cached, autoregressive = out["engine 2"]  # prefix caching restores a state split over the mesh
     assert tokens == autoregressive and cached == [0, 16, 16]
     assert out["long"][1] == out["long"][2] == out["long"][0]  # the chunked prefill, per shard of the heads

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from bench import harness
 from bench.shapes import MODELS
@@ -142,23 +141,15 @@ def main(argv=None):
 
 
 def tokamax_variants(sorted_pairs_product, experts) -> dict:
-    """tokamax's `ragged_dot` kernels over the sorted pairs, where tokamax is installed (a
-    benchmark-only dependency: `pip install tokamax`) and the backend is a GPU."""
+    """tokamax's `ragged_dot` kernels over the sorted pairs, where tokamax loads
+    (`optional_tokamax`)."""
     import functools
 
-    import jax
+    from bench.kernels.optional_tokamax import load_tokamax
 
-    try:
-        import tokamax
-    except ImportError as error:
-        print(f"tokamax not measured: {error}", flush=True)
+    tokamax = load_tokamax()
+    if tokamax is None:
         return {}
-    if jax.default_backend() != "gpu":
-        return {}
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, which would parse this script's arguments
-        flags.FLAGS(sys.argv[:1])
     return {f"tokamax-{impl}": lambda x, params, weights, ids, impl=impl: sorted_pairs_product(
         x, params, weights, ids, experts, ragged_dot=functools.partial(tokamax.ragged_dot, implementation=impl))
         for impl in ("mosaic", "triton")}

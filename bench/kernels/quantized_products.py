@@ -11,8 +11,11 @@ distinct weights (so every matrix streams from HBM), times:
     product's operand), one scale per column / per 128 input rows;
   - pallas-*: `pallas_kernels.quantized_matmul` with its default tiling, and the tilings of
     `--sweep` at the rows of `--sweep-rows`, int8 with `--sweep-block`;
+  - tokamax-bf16, tokamax-int8(-b128), tokamax-fp8-b128: openxla/tokamax's `ragged_dot`
+    (Mosaic GPU; one group) over the bf16 weight, or the same 8-bit values and scales as a
+    qwix `QArray` (Hopper: dequantized in registers), where tokamax loads (`optional_tokamax`);
   - none: the chain without a product (what each link costs besides its kernel).
-Reports us per matrix and the achieved read rate of its weight bytes (values + scales).
+A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per matrix and the achieved read rate of its weight bytes (values + scales).
 """
 
 from __future__ import annotations
@@ -45,6 +48,31 @@ def time_chain(fn, x, weights, reps):
         return total
 
     return harness.time_calls(lambda: run(x, weights), reps=reps, calls_per_sample=len(weights)).median_s
+
+
+def tokamax_variants(floats, quantized, K: int, N: int) -> dict:
+    """tokamax's Mosaic GPU `ragged_dot` (one group of all rows) over the bf16 weights and
+    over the 8-bit values and scales as qwix `QArray`s ([1, K, N] values, [1, K / block or 1,
+    N] scales), where tokamax loads."""
+    from bench.kernels.optional_tokamax import load_tokamax
+
+    tokamax = load_tokamax()
+    if tokamax is None:
+        return {}
+    import qwix
+
+    def product(x, w):
+        return tokamax.ragged_dot(x, w, jnp.array([x.shape[0]], jnp.int32), implementation="mosaic",
+                                  preferred_element_type=jnp.bfloat16)
+
+    variants = {"tokamax-bf16": (lambda x, w: product(x, w[None]), [(w,) for w in floats], K * N * 2)}
+    for (weights, block), ws in quantized.items():
+        if weights == "fp8" and block is None:
+            continue
+        as_qarray = [(qwix.QArray(qvalue=v[None], scale=s.reshape(1, -1, N), qtype=v.dtype),) for v, s in ws]
+        variants[f"tokamax-{weights}{'-b128' if block else ''}"] = (
+            product, as_qarray, K * N + ws[0][1].size * 4)
+    return variants
 
 
 def main(argv=None):
@@ -103,11 +131,16 @@ def main(argv=None):
                 lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret,
                                                                      transposed=True),
                 [(v.T, s) for v, s in ws], nb)
+        variants.update(tokamax_variants(floats, quantized, K, N))
         for M in rows_list:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
             for variant, (fn, ws, nb) in variants.items():
-                seconds = time_chain(fn, x, ws, args.reps)
+                try:
+                    seconds = time_chain(fn, x, ws, args.reps)
+                except Exception as error:  # an optional library's kernel refusing a shape: recorded, not fatal
+                    report(matrix=name, rows=M, variant=variant, error=f"{type(error).__name__}: {str(error)[:300]}")
+                    continue
                 tiling = default_tiling(K, N, 128 if "b128" in variant else None) if "pallas" in variant else None
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
                        tiling=tiling and list(tiling.__dict__.values()))
@@ -138,6 +171,9 @@ def main(argv=None):
     record.write(dict(copies=args.copies, timings=results))
     print(f"\n{'matrix':<8} {'M':>3} {'variant':<18} {'us':>8} {'TB/s':>6} tiling")
     for r in results:
+        if "error" in r:
+            print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} failed: {r['error'][:80]}")
+            continue
         if "us" in r:
             print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} {r['us']:8.1f} {r['TBps']:6.2f} {r['tiling']}")
     best = {}
