@@ -41,6 +41,7 @@ from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 from pallas_kernels.router import route_pallas, route_reference
+from pallas_kernels.rule_inputs import rule_inputs_pallas
 
 # Implementations each kernel accepts ("auto": see AUTO).
 CHOICES = {
@@ -51,13 +52,16 @@ CHOICES = {
     "quantized": ("auto", "reference", "pallas"),
     "experts": ("auto", "reference", "pallas"),
     "recurrence": ("auto", "reference", "pallas", "fused", "fused_decode"),
+    "rule_inputs": ("auto", "reference", "pallas"),
     "prefill_rule": ("auto", "chunks", "tokens"),
 }
 # What "auto" means: (on a GPU, elsewhere). Long prefill rows walk token by token on a GPU,
 # where the chunked rule measured no faster; the rule computes its own convolution and norms
-# in decode steps only, where that measured faster (bench/results).
+# in decode steps only, where that measured faster (bench/results); the rule's inputs in one
+# kernel elsewhere are not yet measured.
 AUTO = ({name: ("pallas", "reference") for name in CHOICES}
-        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference")})
+        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference"),
+           "rule_inputs": ("reference", "reference")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Kernels:
     quantized: str = "auto"
     experts: str = "auto"
     recurrence: str = "auto"
+    rule_inputs: str = "auto"
     prefill_rule: str = "auto"
 
     def __post_init__(self):
@@ -152,6 +157,12 @@ class Kernels:
         return conv_delta_rule_pallas if chosen == "fused" or (chosen == "fused_decode" and one_token_rows) else None
 
     @property
+    def prepare_rule_inputs(self):
+        """`rule_inputs_pallas` (the rule's convolution, SiLU and norms for every token of an
+        unfused step in one kernel) where `rule_inputs` is "pallas", else None (jnp)."""
+        return rule_inputs_pallas if self._chosen("rule_inputs") == "pallas" else None
+
+    @property
     def chunked_delta_rule(self):
         """`delta_rule_reference`'s signature (and `num_chunks`), in chunks of tokens, for long
         prefill rows; None where `prefill_rule` walks them token by token too."""
@@ -203,7 +214,8 @@ def add_kernels_argument(parser) -> None:
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
         "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
-        "steps of one token a row, pallas in the others); auto, "
+        "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "
+        "convolution, SiLU and norms in unfused steps as jnp or one kernel (auto: reference); auto, "
         "the default, is Pallas on a GPU (recurrence: fused_decode) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

@@ -192,25 +192,18 @@ def history_after(mixed_TC, history_RKC, starts_R, kept_R):
     return jnp.where((place_RK >= 0)[..., None], from_batch, from_history)
 
 
-def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
-                kernels: Kernels, commits_R=None, prefill_R=None,
-                asks_for_chunks: bool = True) -> tuple[jax.Array, RulePass]:
-    """(out [T, value heads, value dim] float32, the pass): each token t of batch row
-    `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
-    tokens) convolved and run through the rule from its row's state, which advances over
-    those tokens in the rows `commits_R` (bool [R], None: all) and stays in the others; the
-    other tokens' outputs are zeros. Long prefill rows (`prefill_R`) go in chunks
-    (`rule_by_rows`, with `asks_for_chunks`)."""
-    cfg = inputs.cfg
-    taps, num_tokens = cfg.conv_kernel_size, inputs.mixed_TC.shape[0]
-    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
-    history = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R)
-    fused = kernels.conv_delta_rule(num_tokens <= starts_R.shape[0]) if inputs.mesh is None or inputs.shards > 1 else None
-    if fused is not None and (prefill_R is None or num_tokens < CHUNK or kernels.chunked_delta_rule is None):
-        walk = sharded_conv_rule(inputs, fused, history_RKC)
-        out_THV, delta_RHKV = walk(delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R, True, commits_R)
-        return out_THV, RulePass(inputs, lambda *rows: walk(*rows)[1], (history, delta_RHKV))
-    index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
+def prepared_inputs(inputs: RecurrentInputs, history_RKC, rows_T, index_T, kernels: Kernels):
+    """(q, k, v) float32 as the rule reads them, for every token of the batch (token t at
+    place `index_T[t]` of row `rows_T[t]`, which continues `history_RKC`): the causal
+    convolution, SiLU, q and k L2-normed and q scaled; off a mesh, one Pallas kernel where
+    `kernels.rule_inputs` is "pallas", else jnp."""
+    cfg, (num_tokens, _) = inputs.cfg, inputs.mixed_TC.shape
+    if kernels.prepare_rule_inputs is not None and inputs.mesh is None:
+        q_THK, k_THK, v_TV = kernels.prepare_rule_inputs(inputs.mixed_TC, history_RKC, inputs.conv_weight_C1K, rows_T,
+                                                         index_T, num_key_heads=cfg.num_key_heads,
+                                                         key_dim=cfg.key_head_dim)
+        return q_THK, k_THK, v_TV.reshape(num_tokens, cfg.num_value_heads, cfg.value_head_dim)
+    taps = cfg.conv_kernel_size
 
     def earlier(offset):  # the input `offset` tokens before each token: in the batch, or the row's history
         in_batch = inputs.mixed_TC[jnp.maximum(jnp.arange(num_tokens) - offset, 0)]
@@ -220,7 +213,28 @@ def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts
     conv_TC = causal_conv_taps([earlier(taps - 1 - j) for j in range(taps)], inputs.conv_weight_C1K)
     q_THK, k_THK, v_THV = split_heads(conv_TC, cfg, inputs.shards)
     q_THK, k_THK = prepared_queries_keys(q_THK, k_THK)
-    rule_inputs = (q_THK, k_THK, v_THV.astype(jnp.float32), inputs.g_TV, inputs.beta_TV)
+    return q_THK, k_THK, v_THV.astype(jnp.float32)
+
+
+def ragged_rule(inputs: RecurrentInputs, history_RKC, delta_RHKV, rows_T, starts_R, advancing_T,
+                kernels: Kernels, commits_R=None, prefill_R=None,
+                asks_for_chunks: bool = True) -> tuple[jax.Array, RulePass]:
+    """(out [T, value heads, value dim] float32, the pass): each token t of batch row
+    `rows_T[t]` (rows start at `starts_R`) where `advancing_T` (a prefix of each row's
+    tokens) convolved and run through the rule from its row's state, which advances over
+    those tokens in the rows `commits_R` (bool [R], None: all) and stays in the others; the
+    other tokens' outputs are zeros. Long prefill rows (`prefill_R`) go in chunks
+    (`rule_by_rows`, with `asks_for_chunks`)."""
+    num_tokens = inputs.mixed_TC.shape[0]
+    kept_R = kept_counts(rows_T, advancing_T, starts_R.shape[0])
+    history = history_after(inputs.mixed_TC, history_RKC, starts_R, kept_R)
+    fused = kernels.conv_delta_rule(num_tokens <= starts_R.shape[0]) if inputs.mesh is None or inputs.shards > 1 else None
+    if fused is not None and (prefill_R is None or num_tokens < CHUNK or kernels.chunked_delta_rule is None):
+        walk = sharded_conv_rule(inputs, fused, history_RKC)
+        out_THV, delta_RHKV = walk(delta_RHKV.astype(jnp.float32), starts_R, starts_R + kept_R, True, commits_R)
+        return out_THV, RulePass(inputs, lambda *rows: walk(*rows)[1], (history, delta_RHKV))
+    index_T = jnp.arange(num_tokens) - starts_R[rows_T]  # each token's place in its row
+    rule_inputs = (*prepared_inputs(inputs, history_RKC, rows_T, index_T, kernels), inputs.g_TV, inputs.beta_TV)
     out_THV, delta_RHKV = rule_by_rows(inputs, kernels, *rule_inputs[:3], delta_RHKV.astype(jnp.float32), starts_R,
                                        starts_R + kept_R, commits_R, prefill_R, asks_for_chunks)
     by_token = sharded_rule(inputs, kernels.delta_rule, delta_rule_reference, outputs=False)

@@ -202,16 +202,18 @@ def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accept
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=16)
 
 
-@pytest.mark.parametrize("recurrence", ["pallas", "fused", "fused_decode"])
-def test_the_delta_rule_kernel_decodes_alike(decoding_pair, recurrence):
+@pytest.mark.parametrize("rule", [dict(recurrence="pallas"), dict(recurrence="fused"),
+                                  dict(recurrence="fused_decode", rule_inputs="pallas")],
+                         ids=["pallas", "fused", "fused_decode-inputs"])
+def test_the_delta_rule_kernel_decodes_alike(decoding_pair, rule):
     """The Pallas rule (interpret mode here; "fused": with the convolution and norms in the
-    kernel; "fused_decode": so in one-token steps only) in the verify pass and the commit over
-    kept tokens, and in autoregressive steps, against the jnp reference's autoregressive
-    tokens; the heads' Pallas finish (interpret mode) rotating a quarter of each head (partial
-    RoPE)."""
+    kernel; "fused_decode": so in one-token steps only, the other steps' inputs from the
+    rule-inputs kernel) in the verify pass and the commit over kept tokens, and in
+    autoregressive steps, against the jnp reference's autoregressive tokens; the heads' Pallas
+    finish (interpret mode) rotating a quarter of each head (partial RoPE)."""
     _, target, drafter, _ = decoding_pair
     want = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12).token_ids
-    kernels = dflash_jax.Kernels(recurrence=recurrence, heads="pallas")
+    kernels = dflash_jax.Kernels(heads="pallas", **rule)
     assert dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12, kernels=kernels).token_ids == want
     spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4, kernels=kernels)
     assert spec.token_ids == want

@@ -7,6 +7,7 @@
 # kernel's settings at 32k with the target's and the drafter's heads, SIDES) and `rules`
 # (generate at POINTS with each recurrence in RULES, default "pallas fused_decode fused": the
 # rule's convolution and norms in jnp, in its kernel in one-token steps, in its kernel always;
+# an entry may name more kernels, "fused_decode,rule_inputs=pallas": the other steps' inputs in one kernel;
 # PROFILE_KERNELS=recurrence=fused profiles that form).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
@@ -23,7 +24,7 @@ shape=$(big qwen3_5-9b small-qwen3_5)
 if [[ $parts == *tests* ]]; then
     echo "== gpu tests"
     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        ${TESTS:-tests/test_delta_rule_kernel.py tests/test_conv_delta_rule_kernel.py tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py tests/test_finish_heads_kernel.py} \
+        ${TESTS:-tests/test_delta_rule_kernel.py tests/test_conv_delta_rule_kernel.py tests/test_rule_inputs_kernel.py tests/test_chunked_delta_rule.py tests/test_paged_attention_kernel.py tests/test_finish_heads_kernel.py} \
         > "$out/gpu_tests.log" 2>&1
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
@@ -43,8 +44,8 @@ if [[ $parts == *kernel* ]]; then
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
 if [[ $parts == *rules* ]]; then  # the rule's convolution and norms in jnp or in its kernel, one after the other
-    for rule in ${RULES:-pallas fused_decode fused}; do
-        decode "hybrid-$rule" ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels "recurrence=$rule" \
+    for rule in ${RULES:-pallas fused_decode fused}; do  # a rule may add kernels: fused_decode,rule_inputs=pallas
+        decode "hybrid-$(echo "$rule" | tr ',=' '--')" ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels "recurrence=$rule" \
             --sections generate --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 )) ${POINT_BUDGET:+--point-budget-s $POINT_BUDGET}
     done
 fi
