@@ -129,6 +129,9 @@ LONG_SWEEP_SETTINGS = (
             for k in (64, 128) for s in (32, 64, 128) for a in (False, True))
     + tuple(dict(block_k=64, kv_splits=32, num_stages=n, num_warps=8, pages_ahead=a)
             for n in (3, 4) for a in (False, True))
+    # 32-key chunks three or four stages deep: half the shared memory of 64, so two programs
+    # share an SM at 64 splits
+    + tuple(dict(block_k=32, kv_splits=s, num_stages=n, num_warps=4, pages_ahead=True) for s in (32, 64) for n in (3, 4))
     # query blocks of 8 tokens: a 16-row block as two programs of half the rows each (smaller
     # accumulators; the second reads its keys from L2 if the two run together)
     + tuple(dict(block_q=8, block_k=64, kv_splits=32, num_stages=n, num_warps=4, pages_ahead=True) for n in (2, 3)))
