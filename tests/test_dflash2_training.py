@@ -122,6 +122,61 @@ def test_selector_loss_is_teacher_forced_cross_entropy_over_the_candidates():
     np.testing.assert_array_equal(seen, want_seen)
 
 
+def test_a_frozen_backbone_trains_only_the_convolutions_and_the_selector(tmp_path):
+    """Steps with weight decay and a frozen backbone: the DFlash-1 drafter's weights come back
+    bit for bit, every DFlash 2 part moves (so the drafter is its base plus those parts)."""
+    import jax
+
+    target, dflash1 = tiny_pair()
+    drafter = with_dflash2(dflash1, DFlash2Config(**DFLASH2))
+    before = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(drafter_params(drafter))}
+    dataset = greedy_dataset(tmp_path / "data.npz", target, num_prompts=8, new_tokens=12)
+    hp = Hyperparams(total_steps=3, learning_rate=1e-2, warmup_ratio=0.0, weight_decay=0.1, max_anchors=4,
+                     compute_dtype="float32", frozen_backbone=True)
+    result = train_drafter(target, drafter, dataset, hp, tmp_path / "run", batch_size=4, max_length=16,
+                           progress=False)
+    after = {jax.tree_util.keystr(p): np.asarray(x)
+             for p, x in jax.tree_util.tree_leaves_with_path(drafter_params(result.drafter))}
+    parts = [name for name in before if any(part in name for part in ("attention_conv", "mlp_conv", "candidate_selector"))]
+    assert parts and len(parts) < len(before)
+    for name in before:
+        if name in parts:
+            continue
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    assert all(np.any(after[name] != before[name]) for name in parts)
+    with pytest.raises(ValueError, match="this drafter is DFlash-1"):
+        train_drafter(target, dflash1, dataset, hp, tmp_path / "dflash1", batch_size=4, max_length=16, progress=False)
+
+
+def test_a_drafter_exported_over_its_base_holds_only_what_it_adds(tmp_path):
+    """A DFlash 2 drafter grown from a DFlash-1 one (its backbone unchanged but one matrix)
+    exported beside that drafter's folder: its own file holds the DFlash 2 parts and the
+    changed matrix, its index finds the rest in the base's file, and it loads as itself."""
+    from safetensors import safe_open
+
+    from dflash_jax.formats.export_hf import export_hf
+
+    target, dflash1 = tiny_pair()
+    grown = with_dflash2(dflash1, DFlash2Config(**DFLASH2), seed=4)
+    changed = grown.layers[0].mlp.down_proj.kernel
+    changed[...] = changed[...] * 2
+    export_hf(dflash1, tmp_path / "base", dtype="float32")
+    export_hf(grown, tmp_path / "dflash2", dtype="float32", base=tmp_path / "base")
+    weight_map = json.loads((tmp_path / "dflash2" / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(tmp_path / "dflash2" / "model.safetensors", framework="numpy") as handle:
+        own = set(handle.keys())
+    assert own == {name for name, file in weight_map.items() if file == "model.safetensors"}
+    assert "layers.0.mlp.down_proj.weight" in own and "layers.0.self_attn.q_proj.weight" not in own
+    assert all(any(part in name for part in ("conv", "selector", "codebook")) for name in own - {
+        "layers.0.mlp.down_proj.weight"})
+    assert set(weight_map.values()) == {"model.safetensors", "../base/model.safetensors"}
+    loaded = dflash_jax.load_drafter(tmp_path / "dflash2", dtype="float32")
+    ids = np.random.default_rng(2).integers(0, 63, size=16)
+    _, features = dflash_jax.target_forward(target, ids, layer_ids=dflash1.cfg.target_layer_ids)
+    np.testing.assert_array_equal(dflash_jax.draft_logits(target, loaded, features[:9], [int(ids[9])] + [63] * 3),
+                                  dflash_jax.draft_logits(target, grown, features[:9], [int(ids[9])] + [63] * 3))
+
+
 @pytest.mark.slow
 def test_training_a_grown_drafter_lowers_the_selector_loss_and_stays_lossless(tmp_path):
     target, dflash1 = tiny_pair()
@@ -186,6 +241,8 @@ def test_train_cli_resumes_a_dflash2_run_as_it_started_and_refuses_flags_that_di
 
     assert train("loose", *shape) == 2
     assert "shape a DFlash 2 drafter; add --dflash2" in capsys.readouterr().err
+    assert train("frozen", "--dflash2", "--frozen-backbone") == 2
+    assert "pass --dflash2 and --drafter" in capsys.readouterr().err
     vocab = target.cfg.vocab_size
     save_dataset(tmp_path / "other.npz", [([1, 2, vocab], [False, True, True])] * 4, {"source": "another target"})
     assert train("other", "--drafter", str(tmp_path / "dflash1"), data="other.npz") == 2

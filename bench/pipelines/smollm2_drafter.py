@@ -98,6 +98,9 @@ def main(argv=None) -> None:
                         help="train a DFlash 2 drafter (grown from --init-drafter when it is DFlash-1): conv "
                         "kernel size, conv group size, selector rank, selector top-k")
     parser.add_argument("--selector-weight", type=float, default=1.0, help="DFlash 2: the selector loss's weight")
+    parser.add_argument("--frozen-backbone", action="store_true",
+                        help="DFlash 2 grown from --init-drafter: train only its convolutions and selector, so it "
+                        "ships as that drafter's files plus its own parts (export_hf(..., base=))")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate-size", type=int, default=1536)
     parser.add_argument("--block-size", type=int, default=16)
@@ -194,7 +197,8 @@ def main(argv=None) -> None:
             start_dflash2_parts(drafter)
     cfg = drafter.cfg
     hp = Hyperparams(total_steps=args.steps, learning_rate=args.lr, max_anchors=args.max_anchors,
-                     soft_label_weight=args.soft_labels, selector_weight=args.selector_weight)
+                     soft_label_weight=args.soft_labels, selector_weight=args.selector_weight,
+                     frozen_backbone=args.frozen_backbone)
     budget = None if args.stop_training_after is None else max(0.0, 60 * args.stop_training_after - (time.perf_counter() - start))
     result = train_drafter(
         target, drafter, dataset, hp, args.out / "train",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +23,16 @@ from dflash_jax.staging import StagedOutput, terminate_raises
 
 
 def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_shard_bytes: int | None = None,
-              extra_files: dict[str, str] | None = None) -> Path:
+              extra_files: dict[str, str] | None = None, base: str | Path | None = None) -> Path:
     """Write `model` as a HF folder at `out_dir` (must not exist); staged like the converter.
 
     With `max_shard_bytes`, weights are split into shards of at most that size (a tensor is
     never split) plus `model.safetensors.index.json`, as HF does for large checkpoints.
     `extra_files` (name -> text, e.g. a model card) are written into the folder before it is
-    moved into place.
+    moved into place. With `base` (a HF folder beside which `out_dir` stays, e.g. the DFlash-1
+    drafter a DFlash 2 drafter grew from with a frozen backbone), the tensors equal to base's,
+    bit for bit as written, are not written again: the index maps them to base's files by
+    relative path (as HF loaders read it), so the folder holds only what the model adds.
     """
     out_dir = Path(out_dir)
     if model.cfg.quantization is not None:
@@ -61,21 +65,44 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
             tensors[rule.hf_name] = array
         folder = staged.path
         folder.mkdir()
+        shared = {} if base is None else _shared_with(tensors, Path(base), out_dir)
+        tensors = {name: array for name, array in tensors.items() if name not in shared}
         shards = _shards(tensors, max_shard_bytes)
         names = ["model.safetensors"] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
         for name, shard in zip(names, shards):
             save_file({k: tensors[k] for k in shard}, folder / name, metadata={"format": "pt"})
-        if len(shards) > 1:
+        if len(shards) > 1 or shared:
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                     "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+                     "weight_map": {**shared, **{k: name for name, shard in zip(names, shards) for k in shard}}}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
         for name, text in (extra_files or {}).items():
             (folder / name).write_text(text)
         staged.commit()
     return out_dir
+
+
+def _shared_with(tensors: dict, base: Path, out_dir: Path) -> dict[str, str]:
+    """The names of `tensors` whose arrays `base`'s safetensors hold bit for bit, each mapped
+    to its file's path relative to `out_dir`."""
+    from safetensors import safe_open
+
+    index = base / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        path.name for path in sorted(base.glob("*.safetensors"))]
+    if not files:
+        raise ValueError(f"{base} holds no safetensors to share tensors with; export without `base`.")
+    shared = {}
+    for file in files:
+        with safe_open(base / file, framework="flax") as handle:
+            for name in handle.keys():
+                if name in tensors and name not in shared:
+                    theirs, ours = np.asarray(handle.get_tensor(name)), np.asarray(tensors[name])
+                    if theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours):
+                        shared[name] = os.path.relpath(base.absolute() / file, out_dir.absolute())
+    return shared
 
 
 def _shards(tensors: dict, max_shard_bytes: int | None) -> list[list[str]]:

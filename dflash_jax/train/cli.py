@@ -91,6 +91,9 @@ def add_parser(subparsers) -> None:
     dflash2.add_argument("--selector-top-k", type=int, help="candidates per block position (default 16)")
     dflash2.add_argument("--selector-weight", type=float, default=1.0,
                          help="weight of the selector's loss beside the drafter's")
+    dflash2.add_argument("--frozen-backbone", action="store_true",
+                         help="train only the convolutions and the selector; the layers, projections and norms "
+                         "keep --drafter's weights (so the drafter ships as that drafter plus those parts)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of a new drafter's weights, the data order and the anchors drawn")
     train.add_argument("--checkpoint-every", type=int, default=1000, metavar="STEPS",
@@ -262,7 +265,7 @@ def run_train(args: argparse.Namespace) -> None:
         total_steps=steps, learning_rate=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, max_anchors=args.max_anchors,
         soft_label_weight=args.soft_labels, selector_weight=args.selector_weight, compute_dtype=args.dtype,
-        seed=args.seed,
+        seed=args.seed, frozen_backbone=args.frozen_backbone,
     )
     result = train_drafter(
         target, drafter, dataset, hp, args.out, batch_size=args.batch_size, max_length=args.max_length,
@@ -333,6 +336,9 @@ def check_train_args(args: argparse.Namespace) -> None:
         at_least(_flag(name), value, 1)
     if shape_flags and not args.dflash2:
         raise ValueError(f"{', '.join(map(_flag, shape_flags))} shape a DFlash 2 drafter; add --dflash2, or drop them.")
+    if args.frozen_backbone and not (args.dflash2 and args.drafter):
+        raise ValueError("--frozen-backbone trains a DFlash 2 drafter's convolutions and selector around --drafter's "
+                         "weights: pass --dflash2 and --drafter (a new drafter's backbone is random).")
     if not (math.isfinite(args.warmup_ratio) and 0 <= args.warmup_ratio < 1):
         raise ValueError(f"--warmup-ratio must lie in [0, 1), got {args.warmup_ratio}.")
     if not (math.isfinite(args.soft_labels) and 0 <= args.soft_labels <= 1):

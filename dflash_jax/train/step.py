@@ -41,6 +41,7 @@ class Hyperparams:
     max_anchors: int = 512
     soft_label_weight: float = 0.0  # 0: hard labels only; 1: the target's distribution only
     selector_weight: float = 1.0  # DFlash 2: the candidate selector's loss beside the drafter's
+    frozen_backbone: bool = False  # DFlash 2: train its convolutions and selector only (`trains`)
     compute_dtype: str = "bfloat16"
     seed: int = 0
 
@@ -77,9 +78,21 @@ def decays(path, x) -> bool:
     return x.ndim >= 2 and "codebook" not in jax.tree_util.keystr(path)
 
 
+DFLASH2_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")  # what DFlash 2 adds to a DFlash-1 drafter
+
+
+def trains(hp: Hyperparams, path) -> bool:
+    """Whether training changes a parameter: all do, but with `frozen_backbone` only DFlash 2's
+    convolutions and selector (the rest keeps the weights it came with, so the drafter is its
+    DFlash-1 base plus those parts)."""
+    return not hp.frozen_backbone or any(part in jax.tree_util.keystr(path) for part in DFLASH2_PARTS)
+
+
 def make_optimizer(hp: Hyperparams) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW, decaying what `decays` says."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)
+    """Clip by global norm, then AdamW, decaying what `decays` says of the parameters it `trains`.
+    The frozen ones get zero gradients (`step`), so their moments and updates stay zero and the
+    optimizer's state has the same structure either way."""
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, x: decays(p, x) and trains(hp, p), params)
     return optax.chain(
         optax.clip_by_global_norm(hp.grad_clip),
         optax.adamw(learning_rate_schedule(hp), weight_decay=hp.weight_decay, mask=decay_mask),
@@ -145,6 +158,8 @@ def make_train_step(cfg: DrafterConfig, target_graph, hp: Hyperparams, mesh: Mes
         (loss, (correct_N, counted_N, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, target_state, token_ids_RL, loss_mask_RL, key
         )
+        if hp.frozen_backbone:
+            grads = jax.tree_util.tree_map_with_path(lambda p, g: g if trains(hp, p) else jnp.zeros_like(g), grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics = dict(
             loss=loss,

@@ -59,6 +59,9 @@ def train_drafter(
     there: a later call with the same work_dir carries on (`steps_done` says how far it got).
     """
     check_drafter_fits_target(target.cfg, drafter.cfg)
+    if hp.frozen_backbone and drafter.cfg.dflash2 is None:
+        raise ValueError("a frozen backbone trains a DFlash 2 drafter's convolutions and selector alone; this "
+                         "drafter is DFlash-1, so nothing would train.")
     if max_length < drafter.cfg.trained_block_size:
         raise ValueError(f"max_length {max_length} is shorter than the block size {drafter.cfg.trained_block_size}.")
     if mesh is not None and batch_size % mesh.shape[DATA]:
