@@ -150,8 +150,10 @@ def test_a_frozen_backbone_trains_only_the_convolutions_and_the_selector(tmp_pat
 
 def test_a_drafter_exported_over_its_base_holds_only_what_it_adds(tmp_path):
     """A DFlash 2 drafter grown from a DFlash-1 one (its backbone unchanged but one matrix)
-    exported beside that drafter's folder: its own file holds the DFlash 2 parts and the
-    changed matrix, its index finds the rest in the base's file, and it loads as itself."""
+    exported beside that drafter's sharded folder: the base's shards it holds bit for bit are
+    relative links (no index path outside the folder, which HF loaders refuse), the shard of
+    the changed matrix is not, its own shard holds the DFlash 2 parts and that shard's
+    tensors, and it loads as itself; exported over itself, it writes no tensors at all."""
     from safetensors import safe_open
 
     from dflash_jax.formats.export_hf import export_hf
@@ -160,21 +162,30 @@ def test_a_drafter_exported_over_its_base_holds_only_what_it_adds(tmp_path):
     grown = with_dflash2(dflash1, DFlash2Config(**DFLASH2), seed=4)
     changed = grown.layers[0].mlp.down_proj.kernel
     changed[...] = changed[...] * 2
-    export_hf(dflash1, tmp_path / "base", dtype="float32")
+    export_hf(dflash1, tmp_path / "base", dtype="float32", max_shard_bytes=1)  # a tensor a shard
+    base_map = json.loads((tmp_path / "base" / "model.safetensors.index.json").read_text())["weight_map"]
     export_hf(grown, tmp_path / "dflash2", dtype="float32", base=tmp_path / "base")
     weight_map = json.loads((tmp_path / "dflash2" / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(tmp_path / "dflash2" / "model.safetensors", framework="numpy") as handle:
+    assert not (tmp_path / "dflash2" / "model.safetensors").exists()  # HF loaders would read it alone
+    with safe_open(tmp_path / "dflash2" / "model-00001-of-00001.safetensors", framework="numpy") as handle:
         own = set(handle.keys())
-    assert own == {name for name, file in weight_map.items() if file == "model.safetensors"}
+    assert own == {name for name, file in weight_map.items() if file == "model-00001-of-00001.safetensors"}
     assert "layers.0.mlp.down_proj.weight" in own and "layers.0.self_attn.q_proj.weight" not in own
     assert all(any(part in name for part in ("conv", "selector", "codebook")) for name in own - {
         "layers.0.mlp.down_proj.weight"})
-    assert set(weight_map.values()) == {"model.safetensors", "../base/model.safetensors"}
+    links = {file for file in weight_map.values() if file.startswith("base-")}
+    assert links == {f"base-{file}" for name, file in base_map.items() if name != "layers.0.mlp.down_proj.weight"}
+    for link in links:
+        path = tmp_path / "dflash2" / link
+        assert path.is_symlink() and str(path.readlink()) == f"../base/{link.removeprefix('base-')}"
     loaded = dflash_jax.load_drafter(tmp_path / "dflash2", dtype="float32")
     ids = np.random.default_rng(2).integers(0, 63, size=16)
     _, features = dflash_jax.target_forward(target, ids, layer_ids=dflash1.cfg.target_layer_ids)
     np.testing.assert_array_equal(dflash_jax.draft_logits(target, loaded, features[:9], [int(ids[9])] + [63] * 3),
                                   dflash_jax.draft_logits(target, grown, features[:9], [int(ids[9])] + [63] * 3))
+    export_hf(dflash1, tmp_path / "same", dtype="float32", base=tmp_path / "base")
+    assert not list((tmp_path / "same").glob("model-*.safetensors"))
+    assert dflash_jax.load_drafter(tmp_path / "same", dtype="float32").cfg == dflash1.cfg
 
 
 @pytest.mark.slow

@@ -66,3 +66,22 @@ def test_sharded_export_round_trips(tmp_path):
         np.asarray(dflash_jax.target_forward(target, ids)[0]),
         np.asarray(dflash_jax.target_forward(dflash_jax.load_target(tmp_path / "hf"), ids)[0]),
     )
+
+
+def test_a_sharded_folder_reads_each_tensor_from_the_file_its_index_names(tmp_path):
+    """Two shards holding one name: the index decides which is read, whatever the file order."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from dflash_jax.formats.hf_reader import open_checkpoint
+
+    save_file({"w": np.zeros(3, np.float32), "a": np.ones(2, np.float32)}, tmp_path / "a.safetensors")
+    save_file({"w": np.full(3, 7, np.float32)}, tmp_path / "b.safetensors")
+    for chosen in ("a.safetensors", "b.safetensors"):
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"w": chosen, "a": "a.safetensors"}}))
+        source = open_checkpoint(tmp_path)
+        want = 0 if chosen == "a.safetensors" else 7
+        np.testing.assert_array_equal(np.asarray(source.get("w")), np.full(3, want, np.float32))
+        np.testing.assert_array_equal(np.asarray(source.get("a")), np.ones(2, np.float32))

@@ -29,10 +29,12 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     With `max_shard_bytes`, weights are split into shards of at most that size (a tensor is
     never split) plus `model.safetensors.index.json`, as HF does for large checkpoints.
     `extra_files` (name -> text, e.g. a model card) are written into the folder before it is
-    moved into place. With `base` (a HF folder beside which `out_dir` stays, e.g. the DFlash-1
-    drafter a DFlash 2 drafter grew from with a frozen backbone), the tensors equal to base's,
-    bit for bit as written, are not written again: the index maps them to base's files by
-    relative path (as HF loaders read it), so the folder holds only what the model adds.
+    moved into place. With `base` (a HF folder that stays beside `out_dir`, e.g. the DFlash-1
+    drafter a DFlash 2 drafter grew from with a frozen backbone), base's files whose every
+    tensor this model holds bit for bit as written are linked, not written again (relative
+    symbolic links, `base-` before their names, which the index maps those tensors to): the
+    folder holds only what the model adds, and HF loaders, which refuse index paths outside
+    the folder, read it as a sharded checkpoint.
     """
     out_dir = Path(out_dir)
     if model.cfg.quantization is not None:
@@ -65,17 +67,21 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
             tensors[rule.hf_name] = array
         folder = staged.path
         folder.mkdir()
-        shared = {} if base is None else _shared_with(tensors, Path(base), out_dir)
+        total_size = sum(v.nbytes for v in tensors.values())
+        shared = {} if base is None else _shared_with(tensors, Path(base))
+        for file in sorted(set(shared.values())):
+            os.symlink(os.path.relpath(Path(base).absolute() / file, out_dir.absolute()), folder / f"base-{file}")
         tensors = {name: array for name, array in tensors.items() if name not in shared}
-        shards = _shards(tensors, max_shard_bytes)
-        names = ["model.safetensors"] if len(shards) == 1 else [
+        shards = _shards(tensors, max_shard_bytes) if tensors else []
+        names = ["model.safetensors"] if len(shards) == 1 and not shared else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
         ]
         for name, shard in zip(names, shards):
             save_file({k: tensors[k] for k in shard}, folder / name, metadata={"format": "pt"})
         if len(shards) > 1 or shared:
-            index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                     "weight_map": {**shared, **{k: name for name, shard in zip(names, shards) for k in shard}}}
+            own = {k: name for name, shard in zip(names, shards) for k in shard}
+            index = {"metadata": {"total_size": total_size},
+                     "weight_map": {**{k: f"base-{file}" for k, file in shared.items()}, **own}}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
         for name, text in (extra_files or {}).items():
@@ -84,9 +90,10 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
     return out_dir
 
 
-def _shared_with(tensors: dict, base: Path, out_dir: Path) -> dict[str, str]:
-    """The names of `tensors` whose arrays `base`'s safetensors hold bit for bit, each mapped
-    to its file's path relative to `out_dir`."""
+def _shared_with(tensors: dict, base: Path) -> dict[str, str]:
+    """The names of `tensors` that `base`'s safetensors hold bit for bit, each mapped to the
+    name of its file there, counting only files all of whose tensors are such (a loader that
+    reads a whole linked file then finds nothing stale or foreign in it)."""
     from safetensors import safe_open
 
     index = base / "model.safetensors.index.json"
@@ -97,12 +104,18 @@ def _shared_with(tensors: dict, base: Path, out_dir: Path) -> dict[str, str]:
     shared = {}
     for file in files:
         with safe_open(base / file, framework="flax") as handle:
-            for name in handle.keys():
-                if name in tensors and name not in shared:
-                    theirs, ours = np.asarray(handle.get_tensor(name)), np.asarray(tensors[name])
-                    if theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours):
-                        shared[name] = os.path.relpath(base.absolute() / file, out_dir.absolute())
+            names = list(handle.keys())
+            if names and all(_equal(tensors.get(name), handle.get_tensor(name)) for name in names):
+                shared.update((name, file) for name in names if name not in shared)
     return shared
+
+
+def _equal(ours, theirs) -> bool:
+    """Whether `ours` (None: no such tensor) is `theirs` bit for bit, dtype and shape included."""
+    if ours is None:
+        return False
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    return ours.dtype == theirs.dtype and ours.shape == theirs.shape and np.array_equal(ours, theirs)
 
 
 def _shards(tensors: dict, max_shard_bytes: int | None) -> list[list[str]]:

@@ -43,7 +43,8 @@ def open_checkpoint(model_dir: str | Path) -> TensorSource:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return mxfp4_dequantized(_safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))]))
+        return mxfp4_dequantized(_safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))],
+                                                     {name: model_dir / f for name, f in weight_map.items()}))
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         return mxfp4_dequantized(_safetensors_source(files))
@@ -93,7 +94,9 @@ def mxfp4_dequantized(source: TensorSource) -> TensorSource:
     return TensorSource(shapes, lambda name: dequantized(name) if name in pairs else source.get(name), dtypes)
 
 
-def _safetensors_source(files: list[Path]) -> TensorSource:
+def _safetensors_source(files: list[Path], weight_map: dict[str, Path] | None = None) -> TensorSource:
+    """The tensors of `files`; with an index's `weight_map`, each named tensor from the file
+    the index maps it to (another file holding the same name is not read for it)."""
     from safetensors import SafetensorError, safe_open
 
     handles, shapes, dtypes, owner, paths = [], {}, {}, {}, {}
@@ -108,6 +111,8 @@ def _safetensors_source(files: list[Path]) -> TensorSource:
             ) from err
         handles.append(handle)
         for name in handle.keys():
+            if weight_map is not None and weight_map.get(name, path) != path:
+                continue
             tensor = handle.get_slice(name)
             shapes[name] = tuple(tensor.get_shape())
             dtypes[name] = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype().lower())
