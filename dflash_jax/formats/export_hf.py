@@ -17,6 +17,7 @@ from safetensors.flax import save_file
 
 from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, DrafterConfig
 from dflash_jax.formats.hf_config import to_hf_config
+from dflash_jax.formats.hf_reader import safetensors_files
 from dflash_jax.formats.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.models import Drafter, Target
 from dflash_jax.staging import StagedOutput, terminate_raises
@@ -96,17 +97,15 @@ def _shared_with(tensors: dict, base: Path) -> dict[str, str]:
     reads a whole linked file then finds nothing stale or foreign in it)."""
     from safetensors import safe_open
 
-    index = base / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-        path.name for path in sorted(base.glob("*.safetensors"))]
+    files, _ = safetensors_files(base)
     if not files:
         raise ValueError(f"{base} holds no safetensors to share tensors with; export without `base`.")
     shared = {}
-    for file in files:
-        with safe_open(base / file, framework="flax") as handle:
+    for path in files:
+        with safe_open(path, framework="flax") as handle:
             names = list(handle.keys())
             if names and all(_equal(tensors.get(name), handle.get_tensor(name)) for name in names):
-                shared.update((name, file) for name in names if name not in shared)
+                shared.update((name, path.name) for name in names if name not in shared)
     return shared
 
 

@@ -38,16 +38,21 @@ class TensorSource:
         return self._get(name)
 
 
-def open_checkpoint(model_dir: str | Path) -> TensorSource:
-    model_dir = Path(model_dir)
+def safetensors_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """A folder's safetensors files and, where it has an index, which file holds each tensor:
+    the index's files, else every `*.safetensors` (and None)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return mxfp4_dequantized(_safetensors_source([model_dir / f for f in sorted(set(weight_map.values()))],
-                                                     {name: model_dir / f for name, f in weight_map.items()}))
-    files = sorted(model_dir.glob("*.safetensors"))
+        weight_map = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        return sorted(set(weight_map.values())), weight_map
+    return sorted(model_dir.glob("*.safetensors")), None
+
+
+def open_checkpoint(model_dir: str | Path) -> TensorSource:
+    model_dir = Path(model_dir)
+    files, weight_map = safetensors_files(model_dir)
     if files:
-        return mxfp4_dequantized(_safetensors_source(files))
+        return mxfp4_dequantized(_safetensors_source(files, weight_map))
     torch_files = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.pt"))
     if torch_files:
         return _torch_source(torch_files)
