@@ -137,7 +137,8 @@ def default_kv_splits(num_tokens: int, num_rows: int, block_q: int, num_kv_heads
     ~128 programs leaves half the GPU's load slots idle (bench/results). Splits past a row's
     real length exit at once."""
     blocks = next_pow2(min(num_tokens, max(-(-num_tokens // block_q), num_rows)))
-    return max(1, min(32, 256 // num_kv_heads // blocks))
+    splits = 256 // num_kv_heads // blocks
+    return min(32, 1 << max(0, splits.bit_length() - 1))  # a power of two at most `splits`
 
 
 LATENCY_SPLITS = 16  # key splits from which a call's programs are few (a batch of one or two long rows)

@@ -263,10 +263,20 @@ def test_prefill_chunk_with_verify_rows_and_padding(dtype):
     (16, 1, 4, 32),
     (8, 8, 4, 8),
     (1, 1, 2, 32),
+    (4, 4, 3, 16),      # SmolLM2's 3 kv heads: 256 / 3 / 4 blocks rounds down to a power of two
 ])
 def test_key_splits_follow_the_query_blocks(num_tokens, num_rows, kv_heads, want):
     block_q = default_block_q(num_tokens, num_rows, group=4)
     assert default_kv_splits(num_tokens, num_rows, block_q, kv_heads) == want
+
+
+@pytest.mark.parametrize("kv_heads", range(1, 17))
+def test_key_splits_are_a_power_of_two_the_kernel_accepts(kv_heads):
+    for num_rows in (1, 2, 3, 4, 5, 8, 16, 32):
+        for num_tokens in (num_rows, 4 * num_rows, 16 * num_rows):
+            block_q = default_block_q(num_tokens, num_rows, group=4)
+            splits = default_kv_splits(num_tokens, num_rows, block_q, kv_heads)
+            assert 1 <= splits <= 32 and splits & (splits - 1) == 0, (num_tokens, num_rows, kv_heads, splits)
 
 
 AHEAD = dict(block_k=64, num_stages=3, pages_ahead=True)
