@@ -4,6 +4,7 @@ crossing blocks; a drafter grown from a DFlash-1 drafter drafts as it did until 
 selector's teacher-forced loss against a plain numpy reference; training lowers it and stays
 lossless; the CLI trains, exports and loads one."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -144,6 +145,9 @@ def test_a_frozen_backbone_trains_only_the_convolutions_and_the_selector(tmp_pat
             continue
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     assert all(np.any(after[name] != before[name]) for name in parts)
+    unfrozen = dataclasses.replace(hp, total_steps=4, frozen_backbone=False)
+    with pytest.raises(ValueError, match="trained with --frozen-backbone; resume with it"):
+        train_drafter(target, drafter, dataset, unfrozen, tmp_path / "run", batch_size=4, max_length=16, progress=False)
     with pytest.raises(ValueError, match="this drafter is DFlash-1"):
         train_drafter(target, dflash1, dataset, hp, tmp_path / "dflash1", batch_size=4, max_length=16, progress=False)
 

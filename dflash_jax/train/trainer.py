@@ -8,6 +8,7 @@ and because batches and anchors are keyed by step the resumed run matches an unb
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ def train_drafter(
         Path(work_dir, "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
     )
     start = manager.latest_step() or 0
+    _check_trained_parts(Path(work_dir, TRAINED_PARTS), hp, resuming=bool(start))
     if start:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
@@ -117,6 +119,24 @@ def train_drafter(
         manager.close()
     trained = model_from_params(cfg, jnp.float32, params)
     return TrainResult(trained, losses, accuracy, done)
+
+
+TRAINED_PARTS = "trained_parts.json"  # beside the checkpoints: what the first run trained
+
+
+def _check_trained_parts(record: Path, hp: Hyperparams, *, resuming: bool) -> None:
+    """A resumed run trains what the first run trained: the checkpoints' optimizer state fits
+    either choice, so a resume that dropped or added `frozen_backbone` would go on silently."""
+    parts = {"frozen_backbone": hp.frozen_backbone}
+    if resuming and record.is_file():
+        saved = json.loads(record.read_text())
+        if saved.get("frozen_backbone") != hp.frozen_backbone:
+            flag = "with" if saved.get("frozen_backbone") else "without"
+            raise ValueError(f"the checkpoints in {record.parent} were trained {flag} --frozen-backbone; resume "
+                             f"{flag} it, or choose another OUT.")
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(parts))
 
 
 class NonFiniteLossError(ValueError):
