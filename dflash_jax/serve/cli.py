@@ -30,6 +30,7 @@ from tqdm import tqdm
 from dflash_jax.cli_generate import add_draft_sampling_argument
 from dflash_jax.cli_devices import add_device_arguments, start_devices
 from dflash_jax.compile_cache import add_cache_arguments
+from dflash_jax.demo import drafter_argument
 from dflash_jax.serve.warmup import WARMUP_CHOICES, Warmup, split_programs
 
 log = logging.getLogger("dflash_jax.serve")
@@ -65,8 +66,9 @@ def add_parser(subparsers) -> None:
         "drafter shipped with the package.",
     )
     parser.add_argument("--target", type=Path, help="target model folder or .gguf file (default: the demo's SmolLM2)")
-    parser.add_argument("--drafter", type=Path,
-                        help="DFlash drafter folder (default: the shipped one for the demo target, none otherwise)")
+    parser.add_argument("--drafter", type=drafter_argument,
+                        help="DFlash drafter folder, or a SmolLM2 drafter shipped with the package by name (dflash1, "
+                        "dflash2) (default: dflash1 for the demo target, none otherwise)")
     parser.add_argument("--no-drafter", action="store_true", help="decode autoregressively, without a drafter")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 or :: for every interface)")
