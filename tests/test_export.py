@@ -61,6 +61,8 @@ def test_sharded_export_round_trips(tmp_path):
     export_hf(target, tmp_path / "hf", max_shard_bytes=40_000)
     shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    config_mode = (tmp_path / "hf" / "config.json").stat().st_mode
+    assert all((tmp_path / "hf" / name).stat().st_mode == config_mode for name in shards)  # as readable as the rest
     ids = np.arange(1, 12)
     np.testing.assert_array_equal(
         np.asarray(dflash_jax.target_forward(target, ids)[0]),

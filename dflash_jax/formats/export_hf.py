@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,8 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
                      "weight_map": {**{k: f"base-{file}" for k, file in shared.items()}, **own}}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+        for name in names:  # safetensors writes owner-only files: give them the mode the umask gives config.json
+            shutil.copymode(folder / "config.json", folder / name)
         for name, text in (extra_files or {}).items():
             (folder / name).write_text(text)
         staged.commit()
