@@ -81,7 +81,9 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     experts = _experts(raw, num_layers, gpt_oss) if architecture != "LlamaForCausalLM" else None
     quantization = _quantization(raw)
     if experts is not None and quantization is not None:
-        raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
+        if quantization.hf_scale is None:
+            raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
+        quantization = None  # a published 8-bit MoE checkpoint: read dequantized (`dequantized_on_read`)
     if raw.get("hidden_act", "silu") != "silu" and not gpt_oss:
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
     heads = _required(raw, "num_attention_heads")

@@ -138,6 +138,24 @@ def hf_scales(stored, quantization: WeightQuantization, out_features: int) -> np
     return np.repeat(stored.reshape(stored.shape[0], -1), quantization.block_out, axis=0)[:out_features].T.copy()
 
 
+def hf_dequantized(values_OI, stored_scale, quantization: WeightQuantization) -> np.ndarray:
+    """A published 8-bit weight [out, in] and the scale tensor beside it as the float32 weight
+    they stand for."""
+    out_features = values_OI.shape[0]
+    scales = hf_scales(stored_scale, quantization, out_features)
+    return np.asarray(dequantize(np.asarray(values_OI).T, scales, quantization.block_in, jnp.float32)).T
+
+
+def dequantized_on_read(raw: dict[str, Any], cfg) -> WeightQuantization | None:
+    """The quantization of a published 8-bit checkpoint whose config the library reads as a
+    float model (a mixture-of-experts target, whose experts' product has no 8-bit form), so
+    its weights are dequantized as they are read; None for every other checkpoint."""
+    published = parse_quantization(raw.get("quantization_config"))
+    if published is None or published.hf_scale is None or cfg.quantization is not None:
+        return None
+    return published
+
+
 def hf_scale_shape(quantization: WeightQuantization, in_features: int, out_features: int) -> tuple[int, int]:
     """The shape of a HF scale tensor beside a weight [out, in] (a per-tensor scale aside)."""
     return math.ceil(out_features / quantization.block_out), quantization.scale_rows(in_features)

@@ -5,6 +5,7 @@ transformers' greedy `generate`, in `generate` and in the Engine; export gives t
 checkpoint back; malformed configs are refused with the reason."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,12 +123,72 @@ def test_export_gives_the_checkpoint_back(moe, tmp_path):
     ({"num_experts_per_tok": 9}, "num_experts_per_tok must be an integer in \\[1, num_experts = 8\\]"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
     ({"moe_intermediate_size": None}, "config.json has no 'moe_intermediate_size'"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+    ({"quantization_config": {"quant_method": "dflash_jax", "weights": "int8", "block_in": 128}},
      "8-bit mixture-of-experts targets are not supported yet"),
 ])
 def test_malformed_configs_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(raw_config(**change))
+
+
+@pytest.mark.parametrize("layout", ["qwen", "compressed-tensors"])
+def test_a_published_fp8_moe_checkpoint_loads_as_its_dequantized_float_model(moe, tmp_path, layout):
+    """Every projection in e4m3, the experts' included, with Qwen's block `weight_scale_inv` or
+    compressed-tensors' per-channel `weight_scale`, the router and LM head in float (as the
+    published MoE FP8 checkpoints are): loaded and converted as the float model of its
+    dequantized weights (transformers' logits from those weights), the converted folder
+    float, greedy DFlash on it exact."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_jax.formats.hf_reader import ConversionError
+    from dflash_jax.formats.hf_to_nnx import convert_checkpoint
+    import jax
+    import orbax.checkpoint as ocp
+
+    from test_quantization import PROJECTIONS, fp8_blocks
+
+    _, folder, _, drafter = moe
+    tensors = {k: v for path in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(path).items()}
+    dequantized = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        w = tensors[name].float().numpy()
+        block_out, block_in = (16, 24) if layout == "qwen" else (1, w.shape[1])
+        values, scale = fp8_blocks(w, block_out, block_in)
+        expanded = np.repeat(np.repeat(scale, block_out, 0)[:w.shape[0]], block_in, 1)[:, :w.shape[1]]
+        dequantized[name] = torch.from_numpy(values.astype(np.float32) * expanded)
+        tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + ("weight_scale_inv" if layout == "qwen" else "weight_scale")] = (
+            torch.from_numpy(scale))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "reference").mkdir()
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
+    save_file(dequantized, tmp_path / "reference" / "model.safetensors")
+    (tmp_path / "reference" / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 24],
+         "modules_to_not_convert": ["lm_head"]} if layout == "qwen" else
+        {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}})
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "reference").float().eval()
+    with torch.no_grad():
+        want = reference(torch.tensor(IDS)[None]).logits[0].numpy()
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "converted")
+    stored = ocp.StandardCheckpointer().restore((tmp_path / "converted" / "params").absolute())
+    assert {str(np.dtype(x.dtype)) for x in jax.tree.leaves(stored)} == {"float32"}
+    assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
+    converted = dflash_jax.load_target(tmp_path / "converted")
+    for target in (converted, dflash_jax.load_target(tmp_path / "fp8")):
+        assert target.cfg.quantization is None
+        assert rel_err(dflash_jax.target_forward(target, IDS)[0], want) <= 1e-5
+    ar = dflash_jax.generate_autoregressive(converted, PROMPTS, max_new_tokens=12)
+    assert dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4).token_ids == ar.token_ids
+    damaged = "model.layers.0.mlp.experts.3.down_proj.weight"
+    save_file({**tensors, damaged: tensors[damaged].float()}, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(ConversionError, match=f"{damaged}' is float32, not the float8_e4m3fn values"):
+        convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
+    assert not (tmp_path / "damaged").exists()
 
 
 def test_quantizing_a_moe_target_is_refused_and_writes_nothing(moe, tmp_path, capsys):

@@ -32,7 +32,8 @@ from dflash_jax.formats.weight_map import (
 )
 from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
-from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, hf_scale_shape,
+from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, dequantized_on_read,
+                                     hf_dequantized, hf_scale_shape,
                                      hf_scales, left_in_float)
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
@@ -66,7 +67,11 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             raise ConversionError(f"{hf_dir} was written by `convert --quantize`: it is converted already and loads "
                                   "as it is; to convert again, start from the float HF checkpoint.")
         source = open_checkpoint(hf_dir)
+    dequantized = None if gguf or isinstance(cfg, DrafterConfig) else dequantized_on_read(raw_config, cfg)
+    if dequantized is not None:  # a float model from here on: its config.json says so
+        raw_config = {key: value for key, value in raw_config.items() if key != "quantization_config"}
     shapes = dict(source.shapes)
+    scale_of = {}  # a weight read dequantized -> the name of the scale tensor beside it
     aliases = {}
     if isinstance(cfg, DrafterConfig):
         # Drafter tensors may be spelled otherwise (`drafter_plain_name`); map each to its plain name.
@@ -78,6 +83,10 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         rules, ignored = (gguf_target_rules(cfg) if gguf else target_rules(cfg)), target_ignored
 
     expected = {rule.hf_name for rule in rules}
+    if dequantized is not None:
+        scale_of = {name: name.removesuffix("weight") + dequantized.hf_scale for name in expected
+                    if name.removesuffix("weight") + dequantized.hf_scale in shapes}
+        expected |= set(scale_of.values()) | {name for name in shapes if name.endswith(".input_scale")}  # unused
     unexpected = sorted(n for n in shapes if n not in expected and not ignored(cfg, n))
     if unexpected:
         raise ConversionError(
@@ -100,6 +109,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
         if stored is not None and not stored.startswith(("float", "bfloat")) and not rule.vocab_offsets:
             raise ConversionError(_not_float(rule.hf_name, stored))
+        if rule.hf_name in scale_of and stored is not None and stored != jnp.dtype(dequantized.dtype).name:
+            raise ConversionError(f"tensor {rule.hf_name!r} is {stored}, not the {jnp.dtype(dequantized.dtype).name} "
+                                  "values its config describes; the checkpoint is damaged.")
     if dtype is None:
         first = rules[0].hf_name
         dtype = _float_tensor(first, source.get(aliases.get(first, first))).dtype
@@ -113,6 +125,12 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             want_hf = hf_scale_shape(cfg.quantization, *weight)
             if math.prod(shapes[rule.hf_name]) == 1:
                 continue
+        if rule.hf_name in scale_of:
+            out, inp = shapes[rule.hf_name]
+            got, want_scale = tuple(shapes[scale_of[rule.hf_name]]), hf_scale_shape(dequantized, inp, out)
+            if math.prod(got) != 1 and got not in (want_scale, want_scale[:1]):
+                raise ConversionError(f"shape mismatch for {scale_of[rule.hf_name]!r}: expected {list(want_scale)} "
+                                      f"beside a weight [{out}, {inp}], got {list(got)}.")
         if rule.hf_part_shape(tuple(shapes[rule.hf_name])) != want_hf:
             raise ConversionError(
                 f"shape mismatch for {rule.hf_name!r}: expected {list(want_hf)}"
@@ -127,6 +145,8 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         array = source.get(aliases.get(rule.hf_name, rule.hf_name))
         if rule.vocab_offsets:
             array = _target_ids(rule.hf_name, array, cfg.vocab_size)
+        elif rule.hf_name in scale_of:
+            array = rule.hf_part(hf_dequantized(array, source.get(scale_of[rule.hf_name]), dequantized))
         else:
             array = rule.hf_part(_stored_as(rule.hf_name, array, abstract.dtype))
         if rule.plus_one:  # a zero-centred norm weight, in float32 before the cast
