@@ -80,8 +80,8 @@ def add_parser(subparsers) -> None:
 
 
 def drafter_argument(value: str) -> Path:
-    """`--drafter`: a shipped drafter's name, else a folder."""
-    return SHIPPED_DRAFTERS.get(value, Path(value))
+    """`--drafter`: a folder, else (where no such folder exists) a shipped drafter's name."""
+    return Path(value) if Path(value).exists() else SHIPPED_DRAFTERS.get(value, Path(value))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
 
     validate_sampling_params(args.temperature, 0, 1.0)
     if not args.drafter.exists():
-        if args.drafter in SHIPPED_DRAFTERS.values():
+        if args.drafter in (DEFAULT_DRAFTER, *SHIPPED_DRAFTERS.values()):
             raise FileNotFoundError(
                 f"this installation lacks the shipped SmolLM2 drafter {args.drafter}; pass "
                 "--drafter DIR or train one with `dflash-jax train-drafter`."

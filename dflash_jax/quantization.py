@@ -151,7 +151,7 @@ def dequantized_on_read(raw: dict[str, Any], cfg) -> WeightQuantization | None:
     float model (a mixture-of-experts target, whose experts' product has no 8-bit form), so
     its weights are dequantized as they are read; None for every other checkpoint."""
     published = parse_quantization(raw.get("quantization_config"))
-    if published is None or published.hf_scale is None or cfg.quantization is not None:
+    if published is None or published.hf_scale is None or getattr(cfg, "experts", None) is None:
         return None
     return published
 

@@ -186,7 +186,11 @@ def test_a_published_fp8_moe_checkpoint_loads_as_its_dequantized_float_model(moe
     assert dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4).token_ids == ar.token_ids
     damaged = "model.layers.0.mlp.experts.3.down_proj.weight"
     save_file({**tensors, damaged: tensors[damaged].float()}, tmp_path / "fp8" / "model.safetensors")
-    with pytest.raises(ConversionError, match=f"{damaged}' is float32, not the float8_e4m3fn values"):
+    with pytest.raises(ConversionError, match=f"{damaged}' is float32 with a weight_scale"):
+        convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
+    scale = next(name for name in tensors if name.startswith(damaged.removesuffix("weight")) and name != damaged)
+    save_file({k: v for k, v in tensors.items() if k != scale}, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(ConversionError, match=f"{damaged}' is float8_e4m3fn but has no weight_scale"):
         convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
     assert not (tmp_path / "damaged").exists()
 

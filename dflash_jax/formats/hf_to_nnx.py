@@ -109,9 +109,12 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
         if stored is not None and not stored.startswith(("float", "bfloat")) and not rule.vocab_offsets:
             raise ConversionError(_not_float(rule.hf_name, stored))
-        if rule.hf_name in scale_of and stored is not None and stored != jnp.dtype(dequantized.dtype).name:
-            raise ConversionError(f"tensor {rule.hf_name!r} is {stored}, not the {jnp.dtype(dequantized.dtype).name} "
-                                  "values its config describes; the checkpoint is damaged.")
+        if dequantized is not None and (rule.hf_name in scale_of) != (stored == jnp.dtype(dequantized.dtype).name):
+            raise ConversionError(
+                f"tensor {rule.hf_name!r} is {stored} with a {dequantized.hf_scale} beside it; the checkpoint is "
+                "damaged." if rule.hf_name in scale_of else
+                f"tensor {rule.hf_name!r} is {stored} but has no {dequantized.hf_scale} beside it; the checkpoint "
+                "is damaged.")
     if dtype is None:
         first = rules[0].hf_name
         dtype = _float_tensor(first, source.get(aliases.get(first, first))).dtype
@@ -128,7 +131,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         if rule.hf_name in scale_of:
             out, inp = shapes[rule.hf_name]
             got, want_scale = tuple(shapes[scale_of[rule.hf_name]]), hf_scale_shape(dequantized, inp, out)
-            if math.prod(got) != 1 and got not in (want_scale, want_scale[:1]):
+            if math.prod(got) != 1 and got != want_scale and not (want_scale[1] == 1 and got == want_scale[:1]):
                 raise ConversionError(f"shape mismatch for {scale_of[rule.hf_name]!r}: expected {list(want_scale)} "
                                       f"beside a weight [{out}, {inp}], got {list(got)}.")
         if rule.hf_part_shape(tuple(shapes[rule.hf_name])) != want_hf:

@@ -78,7 +78,11 @@ def train_drafter(
         Path(work_dir, "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
     )
     start = manager.latest_step() or 0
-    _check_trained_parts(Path(work_dir, TRAINED_PARTS), hp, resuming=bool(start))
+    try:
+        _check_trained_parts(Path(work_dir, TRAINED_PARTS), hp, resuming=bool(start))
+    except ValueError:
+        manager.close()
+        raise
     if start:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
@@ -129,14 +133,20 @@ def _check_trained_parts(record: Path, hp: Hyperparams, *, resuming: bool) -> No
     either choice, so a resume that dropped or added `frozen_backbone` would go on silently."""
     parts = {"frozen_backbone": hp.frozen_backbone}
     if resuming and record.is_file():
-        saved = json.loads(record.read_text())
+        try:
+            saved = json.loads(record.read_text())
+        except json.JSONDecodeError:
+            raise ValueError(f"{record} is damaged; delete it to resume as this run is set, or choose another "
+                             "OUT.") from None
         if saved.get("frozen_backbone") != hp.frozen_backbone:
             flag = "with" if saved.get("frozen_backbone") else "without"
             raise ValueError(f"the checkpoints in {record.parent} were trained {flag} --frozen-backbone; resume "
                              f"{flag} it, or choose another OUT.")
         return
     record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(parts))
+    partial = record.with_name(f".{record.name}.part")
+    partial.write_text(json.dumps(parts))
+    partial.replace(record)  # whole or not at all
 
 
 class NonFiniteLossError(ValueError):
