@@ -68,7 +68,8 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     if architecture in VISION_LANGUAGE_ARCHITECTURES:  # a vision-language checkpoint: its text model
         text = raw.get("text_config", {})
         raw = {**text, "architectures": [architecture],
-               "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+               "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+               "quantization_config": raw.get("quantization_config", text.get("quantization_config"))}
     qwen3_5 = architecture in QWEN3_5_ARCHITECTURES
     is_qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or qwen3_5
     if is_qwen3 and raw.get("use_sliding_window"):
@@ -80,10 +81,10 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     gpt_oss = architecture == "GptOssForCausalLM"
     experts = _experts(raw, num_layers, gpt_oss) if architecture != "LlamaForCausalLM" else None
     quantization = _quantization(raw)
+    if quantization is not None and quantization.hf_scale is not None and (experts is not None or qwen3_5):
+        quantization = None  # published 8-bit weights the layers cannot hold: read dequantized (`dequantized_on_read`)
     if experts is not None and quantization is not None:
-        if quantization.hf_scale is None:
-            raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
-        quantization = None  # a published 8-bit MoE checkpoint: read dequantized (`dequantized_on_read`)
+        raise ConfigError("8-bit mixture-of-experts targets are not supported yet; use the float checkpoint.")
     if raw.get("hidden_act", "silu") != "silu" and not gpt_oss:
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is.")
     heads = _required(raw, "num_attention_heads")

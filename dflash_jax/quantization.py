@@ -148,12 +148,23 @@ def hf_dequantized(values_OI, stored_scale, quantization: WeightQuantization) ->
 
 def dequantized_on_read(raw: dict[str, Any], cfg) -> WeightQuantization | None:
     """The quantization of a published 8-bit checkpoint whose config the library reads as a
-    float model (a mixture-of-experts target, whose experts' product has no 8-bit form), so
-    its weights are dequantized as they are read; None for every other checkpoint."""
-    published = parse_quantization(raw.get("quantization_config"))
-    if published is None or published.hf_scale is None or getattr(cfg, "experts", None) is None:
+    float model (a mixture-of-experts or hybrid target: neither its experts' product nor its
+    gated-delta-net layers have an 8-bit form), so its weights are dequantized as they are
+    read; None for every other checkpoint. A vision-language config may hold it in its
+    text config."""
+    if cfg.quantization is not None or (cfg.experts is None and cfg.linear_attention is None):
         return None
-    return published
+    published = parse_quantization(raw.get("quantization_config")
+                                   or (raw.get("text_config") or {}).get("quantization_config"))
+    return published if published is not None and published.hf_scale is not None else None
+
+
+def without_quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's dict without its quantization_config (nor its text config's)."""
+    raw = {key: value for key, value in raw.items() if key != "quantization_config"}
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"] = without_quantization(raw["text_config"])
+    return raw
 
 
 def hf_scale_shape(quantization: WeightQuantization, in_features: int, out_features: int) -> tuple[int, int]:

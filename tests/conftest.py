@@ -312,3 +312,53 @@ def two_token_law_pvalue(target, prompt, token_ids) -> float:
     counts = [pairs.count(cell) for cell in cells]
     assert sum(counts) == len(pairs)
     return chi_square_pvalue(counts + [0], probs + [max(0.0, 1 - sum(probs))])
+
+
+def fp8_blocks(w_OI: np.ndarray, block_out: int, block_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 values [O, I], float32 scales [ceil(O / block_out), ceil(I / block_in)]): each
+    block scaled to e4m3's largest magnitude, as published FP8 checkpoints are."""
+    from dflash_jax.quantization import WeightQuantization
+
+    out, inp = w_OI.shape
+    scale = np.ones((-(-out // block_out), -(-inp // block_in)), np.float32)
+    for a in range(scale.shape[0]):
+        for b in range(scale.shape[1]):
+            largest = np.abs(w_OI[a * block_out:(a + 1) * block_out, b * block_in:(b + 1) * block_in]).max()
+            scale[a, b] = largest / 448 if largest > 0 else 1
+    return (w_OI / expanded_scales(scale, w_OI.shape, block_out, block_in)).astype(WeightQuantization("fp8").dtype), scale
+
+
+def expanded_scales(scale: np.ndarray, shape: tuple[int, int], block_out: int, block_in: int) -> np.ndarray:
+    """Block scales repeated over each block's entries of a weight of `shape`."""
+    return np.repeat(np.repeat(scale, block_out, 0)[:shape[0]], block_in, 1)[:, :shape[1]]
+
+
+def write_published_fp8(folder: Path, out: Path, reference: Path, layout: str) -> None:
+    """The HF checkpoint in `folder` written to `out` as published FP8 checkpoints are: every
+    2-D projection weight (`*_proj.weight`) in e4m3 with Qwen's 16 x 24 block
+    `weight_scale_inv` ("qwen") or compressed-tensors' per-channel `weight_scale`, everything
+    else (router, norms, embeddings, LM head) as it was; and to `reference` the float
+    checkpoint of the weights those stand for (what a dequantizing reader must compute)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for path in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(path).items()}
+    dequantized = dict(tensors)
+    for name in [n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+        w = tensors[name].float().numpy()
+        block_out, block_in = (16, 24) if layout == "qwen" else (1, w.shape[1])
+        values, scale = fp8_blocks(w, block_out, block_in)
+        dequantized[name] = torch.from_numpy(values.astype(np.float32) * expanded_scales(scale, w.shape, block_out, block_in))
+        tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + ("weight_scale_inv" if layout == "qwen" else "weight_scale")] = (
+            torch.from_numpy(scale))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    for path, weights in ((out, tensors), (reference, dequantized)):
+        path.mkdir()
+        save_file(weights, path / "model.safetensors")
+    (reference / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 24],
+         "modules_to_not_convert": ["lm_head"]} if layout == "qwen" else
+        {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}})
+    (out / "config.json").write_text(json.dumps(config))

@@ -138,39 +138,17 @@ def test_a_published_fp8_moe_checkpoint_loads_as_its_dequantized_float_model(moe
     published MoE FP8 checkpoints are): loaded and converted as the float model of its
     dequantized weights (transformers' logits from those weights), the converted folder
     float, greedy DFlash on it exact."""
-    from safetensors.torch import load_file, save_file
-
-    from dflash_jax.formats.hf_reader import ConversionError
-    from dflash_jax.formats.hf_to_nnx import convert_checkpoint
     import jax
     import orbax.checkpoint as ocp
+    from safetensors.torch import load_file, save_file
 
-    from test_quantization import PROJECTIONS, fp8_blocks
+    from conftest import write_published_fp8
+    from dflash_jax.formats.hf_reader import ConversionError
+    from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 
     _, folder, _, drafter = moe
-    tensors = {k: v for path in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(path).items()}
-    dequantized = dict(tensors)
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
-        w = tensors[name].float().numpy()
-        block_out, block_in = (16, 24) if layout == "qwen" else (1, w.shape[1])
-        values, scale = fp8_blocks(w, block_out, block_in)
-        expanded = np.repeat(np.repeat(scale, block_out, 0)[:w.shape[0]], block_in, 1)[:, :w.shape[1]]
-        dequantized[name] = torch.from_numpy(values.astype(np.float32) * expanded)
-        tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
-        tensors[name.removesuffix("weight") + ("weight_scale_inv" if layout == "qwen" else "weight_scale")] = (
-            torch.from_numpy(scale))
-    config = json.loads((Path(folder) / "config.json").read_text())
-    (tmp_path / "fp8").mkdir()
-    (tmp_path / "reference").mkdir()
-    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
-    save_file(dequantized, tmp_path / "reference" / "model.safetensors")
-    (tmp_path / "reference" / "config.json").write_text(json.dumps(config))
-    config["quantization_config"] = (
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 24],
-         "modules_to_not_convert": ["lm_head"]} if layout == "qwen" else
-        {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {
-            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}})
-    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    write_published_fp8(Path(folder), tmp_path / "fp8", tmp_path / "reference", layout)
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
     reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "reference").float().eval()
     with torch.no_grad():
         want = reference(torch.tensor(IDS)[None]).logits[0].numpy()

@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors.torch import save_file
 
 import dflash_jax
-from conftest import drafter_config_dict, make_zlab_drafter, rel_err, save_hf
+from conftest import drafter_config_dict, expanded_scales, fp8_blocks, make_zlab_drafter, rel_err, save_hf
 from dflash_jax.config import ConfigError
 from dflash_jax.formats.export_hf import export_hf
 from dflash_jax.formats.hf_reader import ConversionError
@@ -133,19 +133,6 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
             export_hf(target, tmp_path / "exported")
 
 
-def fp8_blocks(w_OI: np.ndarray, block_out: int, block_in: int) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 values [O, I], float32 scales [ceil(O / block_out), ceil(I / block_in)]): each
-    block scaled to e4m3's largest magnitude, as published FP8 checkpoints are."""
-    out, inp = w_OI.shape
-    scale = np.ones((-(-out // block_out), -(-inp // block_in)), np.float32)
-    for a in range(scale.shape[0]):
-        for b in range(scale.shape[1]):
-            largest = np.abs(w_OI[a * block_out:(a + 1) * block_out, b * block_in:(b + 1) * block_in]).max()
-            scale[a, b] = largest / 448 if largest > 0 else 1
-    expanded = np.repeat(np.repeat(scale, block_out, 0)[:out], block_in, 1)[:, :inp]
-    return (w_OI / expanded).astype(WeightQuantization("fp8").dtype), scale
-
-
 def write_fp8_checkpoint(hf, folder, layout: str):
     """`hf` saved as a published FP8 checkpoint (e4m3 weights for the decoder layers'
     products, with Qwen's 16 x 24 block `weight_scale_inv` or compressed-tensors' per-channel
@@ -156,7 +143,7 @@ def write_fp8_checkpoint(hf, folder, layout: str):
     for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
         w = state[name].numpy()
         values, scale = fp8_blocks(w, block_out, min(block_in, w.shape[1]))
-        expanded = np.repeat(np.repeat(scale, block_out, 0)[:w.shape[0]], min(block_in, w.shape[1]), 1)[:, :w.shape[1]]
+        expanded = expanded_scales(scale, w.shape, block_out, min(block_in, w.shape[1]))
         dequantized_state[name] = torch.from_numpy(values.astype(np.float32) * expanded)
         tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
         assert torch.equal(tensors[name].float(), torch.from_numpy(values.astype(np.float32)))

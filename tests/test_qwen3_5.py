@@ -149,6 +149,39 @@ def test_a_vision_language_checkpoint_converts_to_its_text_model(tmp_path):
     assert rel_err(logits, want) < 1e-4
 
 
+@pytest.mark.parametrize("kind, layout", [("text", "qwen"), ("vision-language", "compressed-tensors")])
+def test_a_published_fp8_checkpoint_loads_as_its_dequantized_float_model(tmp_path, kind, layout):
+    """FP8 projections (the gated-delta-net layers' in_proj_* and out_proj among them, which
+    have no 8-bit form here) are read dequantized: the float model of the weights they stand
+    for, with transformers' logits from those weights; the converted config.json float."""
+    import transformers
+
+    from conftest import write_published_fp8
+
+    if kind == "text":
+        hf, architecture = make_qwen3_5(seed=5), transformers.Qwen3_5ForCausalLM
+    else:
+        torch.manual_seed(5)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=1, spatial_merge_size=1)
+        hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+            text_config={**SHAPES, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+            vision_config=vision, tie_word_embeddings=False))
+        architecture = transformers.Qwen3_5ForConditionalGeneration
+    hf.save_pretrained(tmp_path / "hf")
+    write_published_fp8(tmp_path / "hf", tmp_path / "fp8", tmp_path / "reference", layout)
+    ids = [3, 14, 15, 92, 65, 35, 8, 9]
+    with torch.no_grad():
+        want = architecture.from_pretrained(tmp_path / "reference").float().eval()(
+            input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "converted")]) == 0
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert "quantization_config" not in config and "quantization_config" not in config.get("text_config", {})
+    for target in (dflash_jax.load_target(tmp_path / "converted"), dflash_jax.load_target(tmp_path / "fp8")):
+        assert target.cfg.quantization is None
+        assert rel_err(dflash_jax.target_forward(target, ids, layer_ids=[0])[0], want) < 1e-4
+
+
 def test_vision_language_checkpoints_read_their_text_model():
     text = json.loads(json.dumps({**SHAPES, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}))
     cfg = parse_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,

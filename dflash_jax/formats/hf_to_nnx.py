@@ -33,8 +33,8 @@ from dflash_jax.formats.weight_map import (
 from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, dequantized_on_read,
-                                     hf_dequantized, hf_scale_shape,
-                                     hf_scales, left_in_float)
+                                     hf_dequantized, hf_scale_shape, hf_scales, left_in_float,
+                                     without_quantization)
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -69,7 +69,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         source = open_checkpoint(hf_dir)
     dequantized = None if gguf or isinstance(cfg, DrafterConfig) else dequantized_on_read(raw_config, cfg)
     if dequantized is not None:  # a float model from here on: its config.json says so
-        raw_config = {key: value for key, value in raw_config.items() if key != "quantization_config"}
+        raw_config = without_quantization(raw_config)
     shapes = dict(source.shapes)
     scale_of = {}  # a weight read dequantized -> the name of the scale tensor beside it
     aliases = {}
