@@ -147,12 +147,11 @@ def hf_dequantized(values_OI, stored_scale, quantization: WeightQuantization) ->
 
 
 def dequantized_on_read(raw: dict[str, Any], cfg) -> WeightQuantization | None:
-    """The quantization of a published 8-bit checkpoint whose config the library reads as a
-    float model (a mixture-of-experts or hybrid target: neither its experts' product nor its
-    gated-delta-net layers have an 8-bit form), so its weights are dequantized as they are
-    read; None for every other checkpoint. A vision-language config may hold it in its
-    text config."""
-    if cfg.quantization is not None or (cfg.experts is None and cfg.linear_attention is None):
+    """The quantization of a published 8-bit checkpoint whose parsed config (`cfg`) dropped it
+    to describe a float model (`config.parse_target_config`: layers with no 8-bit form), so
+    its weights are dequantized as they are read; None for every other checkpoint. A
+    vision-language config may hold it in its text config."""
+    if cfg.quantization is not None:
         return None
     published = parse_quantization(raw.get("quantization_config")
                                    or (raw.get("text_config") or {}).get("quantization_config"))

@@ -206,3 +206,13 @@ class StagedOutput:
             keep = self.out.with_name(f"{self.out.name}.old-{os.getpid()}")
             os.rename(aside, keep)
             return f" (the previous one is kept at {keep})"
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write beside `path`, then rename over it: a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

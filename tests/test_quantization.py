@@ -3,7 +3,6 @@ exactness: a quantized target computes what a float target holding its dequantiz
 computes, stays 8-bit on disk, and greedy DFlash on it equals its own greedy autoregressive
 decoding."""
 
-import copy
 import dataclasses
 import json
 
@@ -16,7 +15,7 @@ from flax import nnx
 from safetensors.torch import save_file
 
 import dflash_jax
-from conftest import drafter_config_dict, expanded_scales, fp8_blocks, make_zlab_drafter, rel_err, save_hf
+from conftest import drafter_config_dict, make_zlab_drafter, rel_err, save_hf, write_published_fp8
 from dflash_jax.config import ConfigError
 from dflash_jax.formats.export_hf import export_hf
 from dflash_jax.formats.hf_reader import ConversionError
@@ -28,7 +27,6 @@ from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequ
                                      quantize)
 from test_generate import PROMPTS, biased_target
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = np.random.default_rng(0).integers(0, 96, 40)
 
 
@@ -134,33 +132,12 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
 
 
 def write_fp8_checkpoint(hf, folder, layout: str):
-    """`hf` saved as a published FP8 checkpoint (e4m3 weights for the decoder layers'
-    products, with Qwen's 16 x 24 block `weight_scale_inv` or compressed-tensors' per-channel
-    `weight_scale`); returns a copy of `hf` holding the dequantized weights (the reference)."""
-    state, dequantized_state = hf.state_dict(), {}
-    tensors = {k: v.contiguous() for k, v in state.items()}
-    block_out, block_in = (16, 24) if layout == "qwen" else (1, hf.config.intermediate_size + hf.config.hidden_size)
-    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
-        w = state[name].numpy()
-        values, scale = fp8_blocks(w, block_out, min(block_in, w.shape[1]))
-        expanded = expanded_scales(scale, w.shape, block_out, min(block_in, w.shape[1]))
-        dequantized_state[name] = torch.from_numpy(values.astype(np.float32) * expanded)
-        tensors[name] = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
-        assert torch.equal(tensors[name].float(), torch.from_numpy(values.astype(np.float32)))
-        tensors[name.removesuffix("weight") + ("weight_scale_inv" if layout == "qwen" else "weight_scale")] = (
-            torch.from_numpy(scale))
-    folder.mkdir()
-    save_file(tensors, folder / "model.safetensors")
-    config = hf.config.to_dict()
-    config["quantization_config"] = (
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block_out, block_in]}
-        if layout == "qwen" else
-        {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}})
-    (folder / "config.json").write_text(json.dumps(config))
-    reference = copy.deepcopy(hf)
-    reference.load_state_dict({**state, **dequantized_state})
-    return reference
+    """`hf` saved as a published FP8 checkpoint (`conftest.write_published_fp8`); returns the
+    transformers model of the dequantized weights (the reference)."""
+    save_hf(hf, folder.with_name(f"{folder.name}-float"))
+    write_published_fp8(folder.with_name(f"{folder.name}-float"), folder, folder.with_name(f"{folder.name}-reference"),
+                        layout)
+    return type(hf).from_pretrained(folder.with_name(f"{folder.name}-reference")).float().eval()
 
 
 @pytest.mark.parametrize("layout", ["qwen", "compressed-tensors"])

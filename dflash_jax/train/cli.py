@@ -6,13 +6,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
 from dflash_jax.compile_cache import add_cache_arguments
-from dflash_jax.staging import StagedOutput, make_folder
+from dflash_jax.staging import StagedOutput, make_folder, write_text_atomically
 
 DTYPES = ("bfloat16", "float32")
 
@@ -363,15 +362,6 @@ def check_writable_folder(folder: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test."):
         pass
 
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write beside `path`, then rename over it: a reader never sees half a file."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _data_parallel_mesh(batch_size: int):

@@ -25,6 +25,7 @@ from dflash_jax.models import model_from_params
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
 from dflash_jax.sharding import DATA
+from dflash_jax.staging import write_text_atomically
 from dflash_jax.train.data import DrafterDataset
 from dflash_jax.train.step import Hyperparams, drafter_params, make_train_step
 
@@ -144,9 +145,7 @@ def _check_trained_parts(record: Path, hp: Hyperparams, *, resuming: bool) -> No
                              f"{flag} it, or choose another OUT.")
         return
     record.parent.mkdir(parents=True, exist_ok=True)
-    partial = record.with_name(f".{record.name}.part")
-    partial.write_text(json.dumps(parts))
-    partial.replace(record)  # whole or not at all
+    write_text_atomically(record, json.dumps(parts))
 
 
 class NonFiniteLossError(ValueError):
