@@ -117,7 +117,7 @@ def grouped_tiling(K: int, N: int, top_k: int) -> Tiling | None:
 
 
 def _kernel(x_ref, pair_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int, steps: int,
-            token_rows: int, top_k: int, weight_first: bool):
+            token_rows: int, top_k: int):
     col_block, split, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     cols = pl.ds(col_block * bn, bn)
@@ -135,26 +135,21 @@ def _kernel(x_ref, pair_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tili
         else:
             x = x_ref[g, :, pl.ds(k0, bk)]
         w = w_ref[pl.ds(first_row + k0, bk), cols]
-        if weight_first:  # [bn, M]: the weight tile fills the product's large first dimension
-            return acc + lax.dot_general(w.T, x, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
     trips = used_ref[g] * steps  # an unused tile: no steps
-    M = pair_ref.shape[1]
-    acc = lax.fori_loop(0, trips, step, jnp.zeros((bn, M) if weight_first else (M, bn), jnp.float32))
-    o_ref[split, g, :, cols] = acc.T if weight_first else acc
+    acc = lax.fori_loop(0, trips, step, jnp.zeros((pair_ref.shape[1], bn), jnp.float32))
+    o_ref[split, g, :, cols] = acc
 
 
 def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, tiling: Tiling | None = None,
-                          interpret: bool | None = None, weight_first: bool = False):
+                          interpret: bool | None = None):
     """`grouped_matmul_reference` (same arguments and result) as one kernel reading only the
     used tiles' experts; token rows [T, K] are gathered into the tiles by the kernel itself
     (no laid-out copy). A matrix no tile fits takes the reference. top_k: the pairs per token
     (the tiling's assumed tiles at one token). interpret: None runs compiled on a GPU backend
-    and in interpret mode elsewhere. weight_first: each step computes W^T x^T (the expert's
-    columns as the product's large first dimension, the tile's few rows its last)."""
+    and in interpret mode elsewhere."""
     G, M = tiles.pair_GM.shape
     K = x.shape[-1]
     E, _, N = weights_EKN.shape
@@ -167,7 +162,7 @@ def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, til
     interpret = runs_interpreted(interpret)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, K=K, steps=K // tiling.block_k // tiling.splits,
-                          token_rows=x.shape[0] if x.ndim == 2 else 0, top_k=top_k, weight_first=weight_first),
+                          token_rows=x.shape[0] if x.ndim == 2 else 0, top_k=top_k),
         out_shape=jax.ShapeDtypeStruct((tiling.splits, G, M, N), jnp.float32),
         grid=(N // tiling.block_n, tiling.splits, G),
         interpret=interpret,

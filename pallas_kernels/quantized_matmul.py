@@ -91,51 +91,38 @@ def default_tiling(K: int, N: int, block_in: int | None, *, programs: int = 264)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
-            finish: bool, transposed: bool, weight_first: bool):
+            finish: bool, transposed: bool):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     rows, cols = pl.ds(row_block * block_m, block_m), pl.ds(col_block * bn, bn)
-
-    def scales(r):  # the scale row r for this program's columns, oriented like the accumulator
-        s = s_ref[pl.ds(r, 1), cols]
-        return s.T if weight_first else s
 
     def step(j, acc):
         k0 = (split * steps + j) * bk
         x = x_ref[rows, pl.ds(k0, bk)]
         w = (w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols]).astype(x.dtype)
-        if weight_first:  # [bn, block_m]: the converted weight is the product's first operand
-            product = lax.dot_general(w if transposed else w.T, x, (((1,), (1,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-        else:
-            product = lax.dot_general(x, w, (((1,), (1 if transposed else 0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
+        contract = (((1,), (1 if transposed else 0,)), ((), ()))
+        product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
         if block_in is not None:
-            product = product * scales(k0 // block_in)
+            product = product * s_ref[pl.ds(k0 // block_in, 1), cols]
         return acc + product
 
-    shape = (bn, block_m) if weight_first else (block_m, bn)
-    acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-    if finish and block_in is None:
-        acc = acc * scales(0)
-    acc = acc.T if weight_first else acc
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, bn), jnp.float32))
     if finish:
+        if block_in is None:
+            acc = acc * s_ref[pl.ds(0, 1), cols]
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
     else:
         o_ref[split, rows, cols] = acc
 
 
 def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, tiling: Tiling | None = None,
-                            interpret: bool | None = None, transposed: bool = False, weight_first: bool = False):
+                            interpret: bool | None = None, transposed: bool = False):
     """`quantized_matmul_reference` (same arguments and result) as one kernel: x [..., K] in a
     float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32 (R: 1, or one row
     per block of `block_in` input rows). A weight no tile
     fits (K or N without a power-of-two divisor of 16 or more) takes the reference.
     transposed: values given as [N, K] (each output column's input rows contiguous, PyTorch's
     layout), which Triton turns into product operands with fewer shuffles.
-    weight_first: each step multiplies the weight tile by the rows (W x^T, transposed once at
-    the end) rather than the rows by the weight tile: the converted weight fills the product's
-    large first dimension and the few rows its small last one.
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
     *lead, K = x_TI.shape
     N = values_IO.shape[0 if transposed else 1]
@@ -155,7 +142,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     out_shape = ((padded, N), x_TI.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
-                          block_in=block_in, finish=finish, transposed=transposed, weight_first=weight_first),
+                          block_in=block_in, finish=finish, transposed=transposed),
         out_shape=jax.ShapeDtypeStruct(*out_shape),
         grid=(N // tiling.block_n, tiling.splits, padded // block_m),
         interpret=interpret,

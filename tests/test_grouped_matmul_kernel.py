@@ -4,8 +4,6 @@ the kernel computes its jnp reference for several tilings; the experts' product 
 equals the `ragged_dot` reference for Qwen-style and gpt-oss-style experts, and a token's
 output does not depend on the tokens beside it (bit for bit)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,18 +54,16 @@ def test_tile_rows_grow_with_the_pairs_per_expert():
     assert tile_rows(16 * 1024, 128) == 64
 
 
-@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("tiling", [None, Tiling(16, 32, 1), Tiling(16, 16, 2), Tiling(32, 64, 2)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_computes_its_reference(tiling, dtype, weight_first):
+def test_kernel_computes_its_reference(tiling, dtype):
     E, K, N, top_k = 6, 64, 64, 2
     ids = routed_ids(9, E, top_k, seed=1).reshape(-1)
     tiles = expert_tiles(jnp.asarray(ids), E, 16, top_k)
     key_x, key_w = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (*tiles.pair_GM.shape, K), jnp.float32).astype(dtype)
     weights = jax.random.normal(key_w, (E, K, N), jnp.float32).astype(dtype)
-    kernel = functools.partial(grouped_matmul_pallas, top_k=top_k, tiling=tiling, weight_first=weight_first)
-    got = kernel(x, weights, tiles)
+    got = grouped_matmul_pallas(x, weights, tiles, top_k=top_k, tiling=tiling)
     with jax.default_matmul_precision("highest"):  # a GPU's default float32 product is TF32
         want = grouped_matmul_reference(x.astype(jnp.float32), weights.astype(jnp.float32), tiles, top_k=top_k)
     assert got.dtype == jnp.float32
@@ -76,15 +72,15 @@ def test_kernel_computes_its_reference(tiling, dtype, weight_first):
     # token rows gathered into the tiles by the kernel: the product of the laid-out rows, bit for bit
     x_TK = jax.random.normal(key_x, (9, K), jnp.float32).astype(dtype)
     laid_out = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
-    np.testing.assert_array_equal(kernel(x_TK, weights, tiles), kernel(laid_out, weights, tiles))
+    np.testing.assert_array_equal(grouped_matmul_pallas(x_TK, weights, tiles, top_k=top_k, tiling=tiling),
+                                  grouped_matmul_pallas(laid_out, weights, tiles, top_k=top_k, tiling=tiling))
     np.testing.assert_array_equal(grouped_matmul_reference(x_TK, weights, tiles, top_k=top_k),
                                   grouped_matmul_reference(laid_out, weights, tiles, top_k=top_k))
 
 
-@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("matrix", ["gate_up", "down"])
-def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix, weight_first):
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix):
     """Qwen3-30B-A3B's experts (128, top 8; gate and up [2048, 1536] from token rows the kernel
     gathers, down [768, 2048] from rows laid out in tiles) at one token (a tile per pair) and 16
     (pairs grouped by expert) lower for CUDA to one Triton call."""
@@ -98,7 +94,7 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix, weight_
         tiles = expert_tiles(ids_P, E, tile_rows(P, E), top_k)
         if matrix == "down":  # laid out in tiles (empty rows: zeros)
             x_TK = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
-        return grouped_matmul_pallas(x_TK, weights_EKN, tiles, top_k=top_k, interpret=False, weight_first=weight_first)
+        return grouped_matmul_pallas(x_TK, weights_EKN, tiles, top_k=top_k, interpret=False)
 
     arrays = [jax.ShapeDtypeStruct((tokens, K), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * top_k,), jnp.int32),
               jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)]

@@ -26,7 +26,6 @@ def oracle(x, values, scales, block_in):
     return np.asarray(x, np.float64) @ (np.asarray(values.astype(jnp.float32), np.float64) * scales)
 
 
-LAYOUTS = [(False, False), (True, False), (False, True), (True, True)]  # transposed, weight_first
 CASES = [  # rows, K, N, weights, block_in
     (1, 256, 128, "int8", None),
     (5, 576, 960, "int8", 128),    # SmolLM2's width: 64-row steps inside 128-row blocks, 64 columns
@@ -42,13 +41,13 @@ def test_kernel_matches_reference_and_oracle(rows, K, N, weights, block_in):
     values, scales = weight(K, N, weights, block_in)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(rows, K)), jnp.float32)
     expected = oracle(x, values, scales, block_in)
-    scale = np.abs(expected).max()
-    for transposed, weight_first in LAYOUTS:
-        got = quantized_matmul_pallas(x, values.T if transposed else values, scales, block_in, interpret=True,
-                                      transposed=transposed, weight_first=weight_first)
-        assert got.shape == (rows, N) and got.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * scale * np.sqrt(K / 256))
+    got = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
+    transposed = quantized_matmul_pallas(x, values.T, scales, block_in, interpret=True, transposed=True)
     reference = quantized_matmul_reference(x, values, scales, block_in)
+    assert got.shape == transposed.shape == (rows, N) and got.dtype == jnp.float32
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * scale * np.sqrt(K / 256))
+    np.testing.assert_allclose(np.asarray(transposed), expected, atol=2e-6 * scale * np.sqrt(K / 256))
     np.testing.assert_allclose(np.asarray(reference), expected, atol=2e-6 * scale * np.sqrt(K / 256))
 
 
@@ -61,16 +60,14 @@ def test_bfloat16_rows_and_leading_axes():
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("weight_first", [False, True])
 @pytest.mark.parametrize("block_in", [None, 128])
-def test_a_row_is_computed_alike_alone_or_in_a_block(block_in, weight_first):
+def test_a_row_is_computed_alike_alone_or_in_a_block(block_in):
     """A verify block's rows equal what single-row calls compute, bit for bit."""
     values, scales = weight(1024, 256, "int8", block_in)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 1024)), jnp.float32)
-    block = quantized_matmul_pallas(x, values, scales, block_in, interpret=True, weight_first=weight_first)
+    block = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
     for i in (0, 7, 15):
-        alone = quantized_matmul_pallas(x[i:i + 1], values, scales, block_in, interpret=True,
-                                        weight_first=weight_first)
+        alone = quantized_matmul_pallas(x[i:i + 1], values, scales, block_in, interpret=True)
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(block[i]))
 
 
@@ -113,9 +110,9 @@ def every_code(weights):
     return values, np.isfinite(np.asarray(values.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("transposed,weight_first", LAYOUTS)
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype,block_in", [("int8", None), ("int8", 128), ("float8_e4m3fn", 128)])
-def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, block_in, transposed, weight_first):
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, block_in, transposed):
     """Qwen3-8B's gate and up product (4096 -> 2 x 12288) at 1 and 64 rows."""
     from conftest import triton_calls_for_cuda
 
@@ -124,16 +121,15 @@ def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, block_in, transp
     scales = jax.ShapeDtypeStruct((K // (block_in or K), N), jnp.float32)
     for rows in (1, 64):
         x = jax.ShapeDtypeStruct((rows, K), jnp.bfloat16)
-        kernel = lambda *a: quantized_matmul_pallas(*a, block_in, transposed=transposed,  # noqa: E731
-                                                    weight_first=weight_first, interpret=False)
+        kernel = lambda *a: quantized_matmul_pallas(*a, block_in, transposed=transposed, interpret=False)  # noqa: E731
         assert triton_calls_for_cuda(kernel, x, values, scales) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("transposed,weight_first", LAYOUTS)
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("weights,block_in", [("int8", None), ("int8", 128), ("fp8", 128)])
-def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transposed, weight_first):
+def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transposed):
     """Identity rows pick single weights out, so the compiled kernel's result must equal the
     reference's bit for bit (its conversion of every code exact); random rows within rounding."""
     values, finite = every_code(weights)
@@ -143,7 +139,7 @@ def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transpo
     rows = K // (block_in or K)
     scales = jnp.asarray(np.random.default_rng(5).uniform(0.5, 2.0, size=(rows, N)), jnp.float32)
     product = jax.jit(lambda x: quantized_matmul_pallas(x, values.T if transposed else values, scales, block_in,
-                                                        transposed=transposed, weight_first=weight_first))
+                                                        transposed=transposed))
     x = jnp.eye(64, K, dtype=jnp.bfloat16)
     got = product(x)
     expected = quantized_matmul_reference(x, values, scales, block_in)

@@ -11,10 +11,9 @@ weights (so every expert streams from HBM), times:
   - ragged: `dflash_jax.experts.experts_product`'s reference (XLA's `ragged_dot` over the
     (token, expert) pairs sorted by expert);
   - pallas: the same through the library's grouped-expert kernel (pairs in tiles of one
-    expert, only the routed experts read: `pallas_kernels/grouped_matmul.py`); pallas-wf: with
-    the expert's columns as each step's first operand (`weight_first`);
-  - tokamax-mosaic: the sorted pairs through openxla/tokamax's `ragged_dot` (its Mosaic GPU
-    kernel; 0.0.17 has no Triton one), where tokamax is installed;
+    expert, only the routed experts read: `pallas_kernels/grouped_matmul.py`);
+  - tokamax-mosaic, tokamax-triton: the sorted pairs through openxla/tokamax's `ragged_dot`
+    (Mosaic GPU and Triton kernels), where tokamax is installed;
   - gather: each pair's expert matrices gathered, then batched products (reads top_k experts
     per token, duplicates included);
   - each_pair: a loop over the pairs, each product reading its expert through a dynamic
@@ -27,7 +26,6 @@ experts' bytes (what a grouped-expert kernel must stream at least).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 from bench import harness
@@ -99,8 +97,6 @@ def main(argv=None):
         "ragged": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts),
         "pallas": lambda x, params, weights, ids: experts_product(x, params, weights, ids, experts,
                                                                   grouped_matmul_pallas),
-        "pallas-wf": lambda x, params, weights, ids: experts_product(
-            x, params, weights, ids, experts, functools.partial(grouped_matmul_pallas, weight_first=True)),
         **tokamax_variants(sorted_pairs_product, experts),
         "gather": gather,
         "each_pair": each_pair,
@@ -147,6 +143,8 @@ def main(argv=None):
 def tokamax_variants(sorted_pairs_product, experts) -> dict:
     """tokamax's `ragged_dot` kernels over the sorted pairs, where tokamax loads
     (`optional_tokamax`)."""
+    import functools
+
     from bench.kernels.optional_tokamax import load_tokamax
 
     tokamax = load_tokamax()
@@ -154,7 +152,7 @@ def tokamax_variants(sorted_pairs_product, experts) -> dict:
         return {}
     return {f"tokamax-{impl}": lambda x, params, weights, ids, impl=impl: sorted_pairs_product(
         x, params, weights, ids, experts, ragged_dot=functools.partial(tokamax.ragged_dot, implementation=impl))
-        for impl in ("mosaic",)}
+        for impl in ("mosaic", "triton")}
 
 
 if __name__ == "__main__":

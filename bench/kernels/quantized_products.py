@@ -9,10 +9,8 @@ distinct weights (so every matrix streams from HBM), times:
   - bf16: XLA's product of a bf16 weight (what 8 bits must beat);
   - xla-int8 / xla-int8-b128: `quantized_matmul_reference` (XLA, the conversion in the
     product's operand), one scale per column / per 128 input rows;
-  - pallas-*: `pallas_kernels.quantized_matmul` with its default tiling (-nk: the weight
-    stored [N, K]; -wf: the weight as each step's first operand), and the tilings of `--sweep`
-    at the rows of `--sweep-rows`, int8 with `--sweep-block` (`--sweep-transposed`,
-    `--sweep-weight-first`);
+  - pallas-*: `pallas_kernels.quantized_matmul` with its default tiling, and the tilings of
+    `--sweep` at the rows of `--sweep-rows`, int8 with `--sweep-block`;
   - tokamax-bf16, tokamax-int8(-b128), tokamax-fp8-b128: openxla/tokamax's `ragged_dot`
     (Mosaic GPU; one group) over the bf16 weight, or the same 8-bit values and scales as a
     qwix `QArray` (Hopper: dequantized in registers), where tokamax loads (`optional_tokamax`);
@@ -23,7 +21,6 @@ A variant that fails (a kernel refusing a shape) is reported with its error. Rep
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 
@@ -96,8 +93,6 @@ def main(argv=None):
                         help="the swept weights' input rows per scale (0: per column)")
     parser.add_argument("--sweep-transposed", action="store_true",
                         help="sweep weights stored [N, K] (each column's input rows contiguous)")
-    parser.add_argument("--sweep-weight-first", action="store_true",
-                        help="sweep with the weight as each step's first operand (W x^T)")
     parser.add_argument("--matrices", default="qkv,o,gate_up,down")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
@@ -130,11 +125,12 @@ def main(argv=None):
             nb = K * N + ws[0][1].size * 4
             variants[f"xla-{tag}"] = (
                 lambda x, v, s, block=block: quantized_matmul_reference(x, v, s, block), ws, nb)
-            for transposed, weight_first in itertools.product((False, True), repeat=2):
-                variants[f"pallas-{tag}{'-nk' if transposed else ''}{'-wf' if weight_first else ''}"] = (
-                    functools.partial(quantized_matmul_pallas, block_in=block, interpret=interpret,
-                                      transposed=transposed, weight_first=weight_first),
-                    [(v.T, s) for v, s in ws] if transposed else ws, nb)
+            variants[f"pallas-{tag}"] = (
+                lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret), ws, nb)
+            variants[f"pallas-{tag}-nk"] = (
+                lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret,
+                                                                     transposed=True),
+                [(v.T, s) for v, s in ws], nb)
         variants.update(tokamax_variants(floats, quantized, K, N))
         for M in rows_list:
             key, sub = jax.random.split(key)
@@ -162,10 +158,8 @@ def main(argv=None):
                     continue
                 tiling = Tiling(bk, bn, splits, warps, stages)
                 fn = lambda x, v, s, block=block, tiling=tiling: quantized_matmul_pallas(
-                    x, v, s, block, tiling=tiling, interpret=interpret, transposed=args.sweep_transposed,
-                    weight_first=args.sweep_weight_first)
-                variant = (f"sweep{'-b128' if block else ''}{'-nk' if args.sweep_transposed else ''}"
-                           f"{'-wf' if args.sweep_weight_first else ''}")
+                    x, v, s, block, tiling=tiling, interpret=interpret, transposed=args.sweep_transposed)
+                variant = f"sweep{'-b128' if block else ''}{'-nk' if args.sweep_transposed else ''}"
                 try:
                     seconds = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
