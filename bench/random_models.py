@@ -103,6 +103,7 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
     a time: the first device holds a whole one-device model only while it is placed);
     `quantize` ("int8", "fp8") stores the target's decoder-layer weights in 8 bits, a scale
     per output column and block of `quantize_block` input rows (None: all of them)."""
+    from dflash_jax.loading import lay_out_for_device
     from dflash_jax.models import quantize_model
     from dflash_jax.placement import shard_model
     from dflash_jax.quantization import WeightQuantization
@@ -113,6 +114,7 @@ def build_pair(model: str, dtype: str = "bfloat16", seed: int = 0, mesh=None, qu
         target = quantize_model(target, WeightQuantization(quantize, quantize_block))
         gc.collect()
     target = shard_model(target, mesh)
+    lay_out_for_device(target)
     gc.collect()
     drafter = shard_model(random_model(shapes.drafter, seed + 1, dtype), mesh)
     gc.collect()

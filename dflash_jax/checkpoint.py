@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from dflash_jax.config import ConfigError, parse_config, read_config_json
 from dflash_jax.models import Drafter, Target, abstract_model, model_from_params
 from dflash_jax.placement import place_model
+from dflash_jax.quantization import params_of
 
 FORMAT_FILE = "dflash_jax.json"
 FORMAT_VERSION = 2  # 2: fused qkv_proj and gate_up_proj (1 had q/k/v_proj and gate/up_proj)
@@ -39,7 +40,7 @@ def save_checkpoint(model: Target | Drafter, raw_config: dict[str, Any], out_dir
     meta = {"format": FORMAT_VERSION, "kind": model.cfg.kind, "dtype": jnp.dtype(model.dtype).name}
     (out_dir / FORMAT_FILE).write_text(json.dumps(meta, indent=2))
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((out_dir / PARAMS_DIR).absolute(), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    checkpointer.save((out_dir / PARAMS_DIR).absolute(), params_of(model))
     checkpointer.wait_until_finished()
 
 

@@ -46,3 +46,9 @@ def _plan(model):
                             "whose Variables each hold one array (dflash_jax's Target and Drafter do).")
         plan = _PLANS[model] = (treedef, variables)
     return plan
+
+
+def has_run(model) -> bool:
+    """Whether a program has read `model`'s structure already (its first use): from then on
+    a change to its structure would not be seen."""
+    return model in _PLANS

@@ -124,8 +124,8 @@ class Kernels:
         return finish_heads_pallas if self._chosen("heads") == "pallas" else finish_heads_reference
 
     def quantized_matmul(self, dot_general):
-        """`quantized_matmul_reference`'s (x, values, scales, block_in) as this value computes
-        it; the reference's products go through `dot_general`."""
+        """`quantized_matmul_reference`'s (x, values, scales, block_in, transposed=) as this
+        value computes it; the reference's products go through `dot_general`."""
         if self._chosen("quantized") == "pallas":
             return quantized_matmul_pallas
         return functools.partial(quantized_matmul_reference, dot_general=dot_general)

@@ -13,6 +13,7 @@ from dflash_jax.checkpoint import is_orbax_checkpoint, load_checkpoint
 from dflash_jax.config import ConfigError
 from dflash_jax.formats.hf_to_nnx import model_from_hf
 from dflash_jax.models import Drafter, Target
+from dflash_jax.quantization import to_output_major
 
 
 def load_model(path: str | Path, dtype=None, mesh: Mesh | None = None) -> Target | Drafter:
@@ -30,13 +31,22 @@ def load_model(path: str | Path, dtype=None, mesh: Mesh | None = None) -> Target
 def load_target(path: str | Path, dtype=None, *, mesh: Mesh | None = None) -> Target:
     """The target model at `path` (orbax folder, HF folder or .gguf file); `dtype` None keeps the stored dtype;
     `mesh` (`sharding.make_mesh`) places it for tensor parallelism over the mesh's "model" axis.
-    On a CPU backend a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`)."""
+    Its weights are laid out for the device it runs on (`lay_out_for_device`)."""
     model = load_model(path, dtype, mesh)
     if not isinstance(model, Target):
         raise ConfigError(f"{path} holds a drafter, not a target; use load_drafter for it.")
-    if jax.default_backend() == "cpu":
-        model.transpose_tied_head()
+    lay_out_for_device(model)
     return model
+
+
+def lay_out_for_device(target: Target) -> None:
+    """The layouts a target's products run fastest with on this backend, which checkpoints never
+    hold: on a CPU a tied float32 model's LM head gets a [D, V] copy (`Target.transpose_tied_head`);
+    on one GPU its 8-bit kernels are held [out, in] (`quantization.to_output_major`)."""
+    if jax.default_backend() == "cpu":
+        target.transpose_tied_head()
+    elif jax.default_backend() == "gpu" and target.mesh is None:
+        to_output_major(target)
 
 
 def load_drafter(path: str | Path, dtype=None, *, mesh: Mesh | None = None) -> Drafter:

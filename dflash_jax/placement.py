@@ -15,6 +15,7 @@ from dflash_jax.experts import RoutedExperts
 from dflash_jax.layers import MLP, Attention
 from dflash_jax.models import Drafter, Target, abstract_model
 from dflash_jax.models.gated_delta_net import GatedDeltaNet
+from dflash_jax.quantization import params_of
 from dflash_jax.shard_layout import linear_attention_shards, sharded_config, to_shard_layout
 from dflash_jax.sharding import param_spec, tensor_parallel_size
 
@@ -64,7 +65,7 @@ def shard_model(model: Target | Drafter, mesh: Mesh | None):
         return model
     if current is not None:
         raise ValueError("this model is placed on another mesh; load it again with the mesh you run it on.")
-    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = jax.device_get(params_of(model))
     placed = place_model(model.cfg, model.dtype, params, mesh)
     if hasattr(model, "head_DV"):
         placed.transpose_tied_head()

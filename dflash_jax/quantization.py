@@ -17,7 +17,9 @@ per-shard column orders treat scales as columns too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import re
 from typing import Any
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.flat_models import has_run
 from dflash_jax.kernels import REFERENCE, Kernels
 
 # name -> (stored dtype, its largest magnitude)
@@ -194,7 +197,11 @@ def dequantize(values_IO, block_scales, block_in: int | None, dtype):
 
 
 class QuantizedLinear(nnx.Module):
-    """`nnx.Linear`'s product over an 8-bit kernel [in, out] and float32 scales [rows, out]."""
+    """`nnx.Linear`'s product over an 8-bit kernel [in, out] and float32 scales [rows, out].
+
+    Checkpoints, converters and meshes see the kernel [in, out]; a model loaded for one GPU
+    holds it [out, in] instead (`to_output_major`), the layout the Pallas kernel reads fastest
+    at decode and verify shapes (bench/LOG.md, sessions 28 and 37)."""
 
     def __init__(self, in_features: int, out_features: int, quantization: WeightQuantization, *,
                  axes: tuple[str | None, str | None], use_bias: bool, dtype, dot_general):
@@ -205,10 +212,39 @@ class QuantizedLinear(nnx.Module):
         self.kernel = param((in_features, out_features), quantization.dtype, axes)
         self.scale = param((quantization.scale_rows(in_features), out_features), jnp.float32, (None, axes[1]))
         self.bias = param((out_features,), dtype, (axes[1],)) if use_bias else None
+        self.output_major = False  # the kernel held [out, in]
+
+    def to_output_major(self) -> None:
+        """Hold the kernel [out, in] from now on (`params_of` gives it back [in, out])."""
+        if not self.output_major:
+            self.kernel.value = jnp.transpose(self.kernel[...])
+            self.output_major = True
 
     def __call__(self, x, kernels: Kernels = REFERENCE):
         """x @ the weight; `kernels.quantized` (resolved) picks the product's implementation."""
         product = kernels.quantized_matmul(self.dot_general)
-        y = product(x, self.kernel[...], self.scale[...], self.block_in)
+        y = product(x, self.kernel[...], self.scale[...], self.block_in, transposed=self.output_major)
         return y if self.bias is None else y + self.bias[...]
+
+
+def to_output_major(model: nnx.Module) -> None:
+    """Every 8-bit layer of `model` with its kernel held [out, in] (`QuantizedLinear.to_output_major`),
+    before the model's first use (programs read a model's structure once: `flat_models`)."""
+    if has_run(model):
+        raise ValueError("this model has run already, and its programs would not see its weights' new layout; "
+                         "load it again and lay out its weights before using it.")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, QuantizedLinear):
+            module.to_output_major()
+
+
+def params_of(model: nnx.Module) -> dict:
+    """The parameters of `model` as a nested dict (`nnx.to_pure_dict` layout) as checkpoints,
+    converters and meshes take them: 8-bit kernels [in, out] whatever layout the model holds."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, QuantizedLinear) and module.output_major:
+            node = functools.reduce(operator.getitem, path, params)
+            node["kernel"] = jnp.transpose(node["kernel"])
+    return params
 

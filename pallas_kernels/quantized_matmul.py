@@ -34,13 +34,14 @@ MAX_BLOCK_ROWS = 64  # rows per program; larger calls get more programs along th
 MIN_TILE = 16  # Triton's smallest product tile
 
 
-def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, dot_general=lax.dot_general):
+def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, dot_general=lax.dot_general, *,
+                               transposed: bool = False):
     """x @ dequantized W in x's dtype (x [..., K]): the 8-bit values only converted (exactly:
     int8 and e4m3 fit in bfloat16; XLA fuses the conversion into the product's operand), float32
     products scaled per column, or per column and block of input rows (products of their own,
     scaled, then summed in block order). `dot_general`: `lax.dot_general`'s signature (the library passes the
-    one its CPU products need)."""
-    values = values_IO.astype(x_TI.dtype)
+    one its CPU products need). transposed: values given as [N, K]."""
+    values = (values_IO.T if transposed else values_IO).astype(x_TI.dtype)
     if block_in is None:
         y = dot_general(x_TI, values, (((x_TI.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return (y * scales[0]).astype(x_TI.dtype)
@@ -122,13 +123,14 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     per block of `block_in` input rows). A weight no tile
     fits (K or N without a power-of-two divisor of 16 or more) takes the reference.
     transposed: values given as [N, K] (each output column's input rows contiguous, PyTorch's
-    layout), which Triton turns into product operands with fewer shuffles.
+    layout), which Triton turns into product operands with fewer shuffles: the faster layout at
+    decode and verify shapes (`QuantizedLinear.to_output_major`).
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
     *lead, K = x_TI.shape
     N = values_IO.shape[0 if transposed else 1]
     tiling = tiling or default_tiling(K, N, block_in)
     if tiling is None:
-        return quantized_matmul_reference(x_TI, values_IO.T if transposed else values_IO, scales, block_in)
+        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed)
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
     if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):

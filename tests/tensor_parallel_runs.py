@@ -196,9 +196,12 @@ def train() -> dict:
 
 def quantized() -> dict:
     """Greedy tokens of the Qwen3 target with 8-bit weights (int8 per output channel; fp8 per
-    channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1."""
+    channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1;
+    and at TP 4 from a copy holding its kernels [out, in] (one GPU's layout), placed by
+    `shard_model`."""
     from dflash_jax.models import quantize_model
-    from dflash_jax.quantization import WeightQuantization
+    from dflash_jax.placement import shard_model
+    from dflash_jax.quantization import WeightQuantization, to_output_major
 
     out = {}
     cfg = target_config("Qwen3ForCausalLM", kv_heads=2, tied=False)
@@ -210,6 +213,10 @@ def quantized() -> dict:
         for tp in (1, 4):
             placed = place_model(target.cfg, jnp.float32, params, make_mesh(tp, 1) if tp > 1 else None)
             out[f"{name}/{tp}"] = generate(placed, models(cfg, tp)[1], PROMPTS, max_new_tokens=10).token_ids
+        output_major = quantize_model(float_target, quantization)
+        to_output_major(output_major)
+        placed = shard_model(output_major, make_mesh(4, 1))
+        out[f"{name}/4/output-major"] = generate(placed, models(cfg, 4)[1], PROMPTS, max_new_tokens=10).token_ids
     return out
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from flax import nnx
 from safetensors.torch import save_file
 
 import dflash_jax
@@ -23,8 +22,9 @@ from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.generate import generate, generate_autoregressive
 from dflash_jax.kernels import Kernels
 from dflash_jax.models import model_from_params
-from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequantize, parse_quantization,
-                                     quantize)
+from dflash_jax.checkpoint import save_checkpoint
+from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequantize, params_of, parse_quantization,
+                                     quantize, to_output_major)
 from test_generate import PROMPTS, biased_target
 
 IDS = np.random.default_rng(0).integers(0, 96, 40)
@@ -46,7 +46,7 @@ def logits_of(target):
 
 def dequantized(target):
     """A float target whose products hold `target`'s 8-bit weights dequantized (the reference)."""
-    params = jax.device_get(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
+    params = jax.device_get(params_of(target))
 
     def walk(tree):
         for key, value in tree.items():
@@ -129,6 +129,32 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
         assert [engine.output(i) for i in ids] == ar.token_ids
         with pytest.raises(ValueError, match="export writes float HF checkpoints only"):
             export_hf(target, tmp_path / "exported")
+
+
+def test_a_target_holding_its_8_bit_kernels_output_major_decodes_and_saves_alike(float_pair, tmp_path):
+    """What `load_target` does on one GPU (`to_output_major`: kernels [out, in], the layout the
+    Pallas kernel reads fastest): the same logits and tokens through both products, DFlash equal
+    to autoregressive decoding, and the checkpoint layout back for saving."""
+    hf, float_dir, drafter = float_pair
+    convert_checkpoint(float_dir, tmp_path / "q", quantize="int8", quantize_block=48)
+    target = dflash_jax.load_target(tmp_path / "q")
+    before, logits = jax.device_get(params_of(target)), logits_of(target)
+    ar = generate_autoregressive(target, PROMPTS, max_new_tokens=16).token_ids
+    with pytest.raises(ValueError, match="has run already"):  # its programs would keep the old layout
+        to_output_major(target)
+    target = dflash_jax.load_target(tmp_path / "q")
+    to_output_major(target)
+    mlp = target.layers[0].mlp
+    assert mlp.down_proj.output_major and mlp.down_proj.kernel.shape == (hf.config.hidden_size, 112)
+    pallas = Kernels(quantized="pallas")
+    for kernels in (Kernels(), pallas):
+        assert rel_err(np.asarray(dflash_jax.target_forward(target, IDS, kernels=kernels)[0]), logits) <= 1e-6
+        assert generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4, kernels=kernels).token_ids == ar
+        assert generate_autoregressive(target, PROMPTS, max_new_tokens=16, kernels=kernels).token_ids == ar
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params_of(target)), before)
+    save_checkpoint(target, json.loads((tmp_path / "q" / "config.json").read_text()), tmp_path / "saved")
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params_of(dflash_jax.load_target(tmp_path / "saved"))),
+                 before)
 
 
 def write_fp8_checkpoint(hf, folder, layout: str):

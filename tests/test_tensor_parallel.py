@@ -87,6 +87,7 @@ def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
     for name in ("int8", "fp8/16"):
         assert out[f"{name}/1"] == out[f"{name}/ar"]
         assert out[f"{name}/4"] == out[f"{name}/1"], name
+        assert out[f"{name}/4/output-major"] == out[f"{name}/1"], name
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 from safetensors.flax import save_file
 
 from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, DrafterConfig
@@ -21,6 +20,7 @@ from dflash_jax.formats.hf_config import to_hf_config
 from dflash_jax.formats.hf_reader import safetensors_files
 from dflash_jax.formats.weight_map import drafter_rules, get_path, target_rules
 from dflash_jax.models import Drafter, Target
+from dflash_jax.quantization import params_of
 from dflash_jax.staging import StagedOutput, terminate_raises
 
 
@@ -50,7 +50,7 @@ def export_hf(model: Target | Drafter, out_dir: str | Path, *, dtype=None, max_s
         cfg = dataclasses.replace(cfg, architecture=cfg.architecture.replace("ForConditionalGeneration", "ForCausalLM"))
     with terminate_raises(), StagedOutput(out_dir, what="export") as staged:
         rules = drafter_rules(cfg) if isinstance(cfg, DrafterConfig) else target_rules(cfg)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = params_of(model)
         tensors = {}
         for rule in rules:
             array = rule.part(get_path(params, rule.path))

@@ -11,7 +11,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
-from dflash_jax.quantization import WeightQuantization, quantize
+from dflash_jax.quantization import WeightQuantization, params_of, quantize
 
 
 def abstract_model(cfg: TargetConfig | DrafterConfig, dtype) -> Target | Drafter:
@@ -39,7 +39,7 @@ def quantize_model(model: Target | Drafter, quantization: WeightQuantization) ->
     if isinstance(model.cfg, DrafterConfig) and model.cfg.dflash2 is not None:
         raise ValueError("8-bit DFlash 2 drafters are not supported yet; keep this drafter's float weights.")
     cfg = dataclasses.replace(model.cfg, quantization=quantization)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = params_of(model)
 
     def fill(tree: dict, wanted: dict) -> None:
         for key, want in wanted.items():

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from dflash_jax.models import model_from_params
 from dflash_jax.config import check_drafter_fits_target
 from dflash_jax.models import Drafter, Target
+from dflash_jax.quantization import params_of
 from dflash_jax.sharding import DATA
 from dflash_jax.staging import write_text_atomically
 from dflash_jax.train.data import DrafterDataset
@@ -164,5 +165,5 @@ def _all_finite(params) -> bool:
 
 def _cast(model, dtype):
     """The frozen model rebuilt in the compute dtype (layers compute in their own dtype)."""
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = params_of(model)
     return model_from_params(model.cfg, jnp.dtype(dtype), jax.tree.map(lambda x: x.astype(dtype), params))
