@@ -214,8 +214,9 @@ class QuantizedLinear(nnx.Module):
         self.bias = param((out_features,), dtype, (axes[1],)) if use_bias else None
         self.output_major = False  # the kernel held [out, in]
 
-    def to_output_major(self) -> None:
-        """Hold the kernel [out, in] from now on (`params_of` gives it back [in, out])."""
+    def _to_output_major(self) -> None:
+        """Hold the kernel [out, in] from now on (`params_of` gives it back [in, out]); only
+        through the model's `to_output_major`, which knows whether a program has read the model."""
         if not self.output_major:
             self.kernel.value = jnp.transpose(self.kernel[...])
             self.output_major = True
@@ -227,24 +228,28 @@ class QuantizedLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def to_output_major(model: nnx.Module) -> None:
-    """Every 8-bit layer of `model` with its kernel held [out, in] (`QuantizedLinear.to_output_major`),
-    before the model's first use (programs read a model's structure once: `flat_models`)."""
-    if has_run(model):
+def to_output_major(target: nnx.Module) -> None:
+    """Every 8-bit layer of a target with its kernel held [out, in], before the model's first
+    use (programs read a model's structure once: `flat_models`). Targets only: a drafter's
+    context K/V product stacks its kernels' [in, out] columns."""
+    if target.cfg.kind != "target":
+        raise ValueError("only a target's 8-bit kernels can be held [out, in]; a drafter keeps [in, out].")
+    if has_run(target):
         raise ValueError("this model has run already, and its programs would not see its weights' new layout; "
                          "load it again and lay out its weights before using it.")
-    for _, module in nnx.iter_graph(model):
+    for _, module in nnx.iter_graph(target):
         if isinstance(module, QuantizedLinear):
-            module.to_output_major()
+            module._to_output_major()
 
 
 def params_of(model: nnx.Module) -> dict:
     """The parameters of `model` as a nested dict (`nnx.to_pure_dict` layout) as checkpoints,
-    converters and meshes take them: 8-bit kernels [in, out] whatever layout the model holds."""
+    converters and meshes take them: 8-bit kernels [in, out] whatever layout the model holds
+    (those held [out, in] come back as host arrays: no second copy on the device)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     for path, module in nnx.iter_graph(model):
         if isinstance(module, QuantizedLinear) and module.output_major:
             node = functools.reduce(operator.getitem, path, params)
-            node["kernel"] = jnp.transpose(node["kernel"])
+            node["kernel"] = np.asarray(jax.device_get(node["kernel"])).T
     return params
 

@@ -131,7 +131,8 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
             export_hf(target, tmp_path / "exported")
 
 
-def test_a_target_holding_its_8_bit_kernels_output_major_decodes_and_saves_alike(float_pair, tmp_path):
+def test_a_target_holding_its_8_bit_kernels_output_major_decodes_and_saves_alike(float_pair, tmp_path,
+                                                                                   monkeypatch):
     """What `load_target` does on one GPU (`to_output_major`: kernels [out, in], the layout the
     Pallas kernel reads fastest): the same logits and tokens through both products, DFlash equal
     to autoregressive decoding, and the checkpoint layout back for saving."""
@@ -142,8 +143,11 @@ def test_a_target_holding_its_8_bit_kernels_output_major_decodes_and_saves_alike
     ar = generate_autoregressive(target, PROMPTS, max_new_tokens=16).token_ids
     with pytest.raises(ValueError, match="has run already"):  # its programs would keep the old layout
         to_output_major(target)
-    target = dflash_jax.load_target(tmp_path / "q")
-    to_output_major(target)
+    with pytest.raises(ValueError, match="a drafter keeps"):
+        to_output_major(drafter)
+    with monkeypatch.context() as patched:  # loaded as on one GPU
+        patched.setattr(jax, "default_backend", lambda: "gpu")
+        target = dflash_jax.load_target(tmp_path / "q")
     mlp = target.layers[0].mlp
     assert mlp.down_proj.output_major and mlp.down_proj.kernel.shape == (hf.config.hidden_size, 112)
     pallas = Kernels(quantized="pallas")
