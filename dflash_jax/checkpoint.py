@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.config import ConfigError, parse_config, read_config_json
-from dflash_jax.models import Drafter, Target, abstract_model, model_from_params
+from dflash_jax.models import Drafter, Target, abstract_model, model_in_dtype
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import params_of
 
@@ -105,6 +105,4 @@ def load_checkpoint(path: str | Path, dtype=None, mesh: Mesh | None = None) -> T
         params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), on_host)
         return place_model(cfg, target_dtype, params, mesh)
     params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
-    wanted = nnx.to_pure_dict(nnx.state(abstract_model(cfg, target_dtype), nnx.Param))
-    params = jax.tree.map(lambda x, want: x.astype(want.dtype), params, wanted)  # 8-bit weights and scales stay
-    return model_from_params(cfg, target_dtype, params)
+    return model_in_dtype(cfg, target_dtype, params)

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import dflash_jax
 from conftest import drafter_config_dict, make_zlab_drafter, rel_err, save_hf, write_published_fp8
+from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.config import ConfigError
 from dflash_jax.formats.export_hf import export_hf
 from dflash_jax.formats.hf_reader import ConversionError
@@ -22,9 +23,9 @@ from dflash_jax.formats.hf_to_nnx import convert_checkpoint
 from dflash_jax.generate import generate, generate_autoregressive
 from dflash_jax.kernels import Kernels
 from dflash_jax.models import model_from_params
-from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.quantization import (QuantizationError, WeightQuantization, dequantize, params_of, parse_quantization,
                                      quantize, to_output_major)
+from dflash_jax.train.trainer import _cast
 from test_generate import PROMPTS, biased_target
 
 IDS = np.random.default_rng(0).integers(0, 96, 40)
@@ -159,6 +160,9 @@ def test_a_target_holding_its_8_bit_kernels_output_major_decodes_and_saves_alike
     save_checkpoint(target, json.loads((tmp_path / "q" / "config.json").read_text()), tmp_path / "saved")
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(params_of(dflash_jax.load_target(tmp_path / "saved"))),
                  before)
+    # the trainer's frozen target in its compute dtype: [in, out] again, 8-bit values and float32 scales kept
+    cast = _cast(target, "bfloat16").layers[0].mlp.down_proj
+    assert (cast.kernel.dtype, cast.scale.dtype, cast.kernel.shape) == (np.int8, np.float32, (112, hf.config.hidden_size))
 
 
 def write_fp8_checkpoint(hf, folder, layout: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -24,6 +25,13 @@ def model_from_params(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def model_in_dtype(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
+    """`model_from_params` with each float parameter cast to `dtype` first; 8-bit weights and
+    their float32 scales stay as they are."""
+    wanted = nnx.to_pure_dict(nnx.state(abstract_model(cfg, dtype), nnx.Param))
+    return model_from_params(cfg, dtype, jax.tree.map(lambda x, want: x.astype(want.dtype), params, wanted))
 
 
 def quantize_model(model: Target | Drafter, quantization: WeightQuantization) -> Target | Drafter:

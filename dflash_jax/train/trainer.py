@@ -21,9 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from dflash_jax.models import model_from_params
 from dflash_jax.config import check_drafter_fits_target
-from dflash_jax.models import Drafter, Target
+from dflash_jax.models import Drafter, Target, model_from_params, model_in_dtype
 from dflash_jax.quantization import params_of
 from dflash_jax.sharding import DATA
 from dflash_jax.staging import write_text_atomically
@@ -164,6 +163,6 @@ def _all_finite(params) -> bool:
 
 
 def _cast(model, dtype):
-    """The frozen model rebuilt in the compute dtype (layers compute in their own dtype)."""
-    params = params_of(model)
-    return model_from_params(model.cfg, jnp.dtype(dtype), jax.tree.map(lambda x: x.astype(dtype), params))
+    """The frozen model rebuilt in the compute dtype (layers compute in their own dtype; 8-bit
+    weights and their scales stay)."""
+    return model_in_dtype(model.cfg, jnp.dtype(dtype), params_of(model))
