@@ -201,7 +201,7 @@ class QuantizedLinear(nnx.Module):
 
     Checkpoints, converters and meshes see the kernel [in, out]; a model loaded for one GPU
     holds it [out, in] instead (`to_output_major`), the layout the Pallas kernel reads fastest
-    at decode and verify shapes (bench/LOG.md, sessions 28 and 37)."""
+    at decode and verify shapes (bench/LESSONS.md)."""
 
     def __init__(self, in_features: int, out_features: int, quantization: WeightQuantization, *,
                  axes: tuple[str | None, str | None], use_bias: bool, dtype, dot_general):
@@ -252,4 +252,3 @@ def params_of(model: nnx.Module) -> dict:
             node = functools.reduce(operator.getitem, path, params)
             node["kernel"] = np.asarray(jax.device_get(node["kernel"])).T
     return params
-

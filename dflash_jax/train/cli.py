@@ -363,7 +363,6 @@ def check_writable_folder(folder: Path) -> None:
         pass
 
 
-
 def _data_parallel_mesh(batch_size: int):
     """Every device of the machine, data-parallel (None with one device)."""
     import jax
