@@ -445,15 +445,16 @@ def test_a_failing_request_ends_alone(models, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_scheduling, draft_sampling", [(True, "sample"), (False, "sample"), (True, "argmax")])
-def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling, draft_sampling):
-    """Sampled requests (temperature 0.8, fixed seeds) in a cache tight enough to preempt
-    them produce the tokens they produce in an ample one."""
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_seeded_sampled_tokens_do_not_depend_on_preemption(models, async_scheduling):
+    """Sampled requests (temperature 0.8, fixed seeds, sampled drafts) in a cache tight
+    enough to preempt them produce the tokens they produce in an ample one. (Argmax drafts:
+    `test_sampled_request_is_the_same_alone_or_in_a_batch`.)"""
     target, drafters, _ = models
     outputs, preemptions = [], []
     for num_pages in (None, 16):
         engine = Engine(target, drafters["full"], max_num_reqs=4, max_num_tokens=32, page_size=4,
-                        num_pages=num_pages, async_scheduling=async_scheduling, draft_sampling=draft_sampling)
+                        num_pages=num_pages, async_scheduling=async_scheduling)
         params = [SamplingParams(max_new_tokens=24, temperature=0.8, seed=s) for s in (1, 2, 3, 4)]
         ids = [engine.add_request(p[:12], q) for p, q in zip(PROMPTS[:4], params)]
         while engine.has_unfinished():
