@@ -35,6 +35,17 @@ from dflash_jax.recurrent_state import RecurrentState  # noqa: E402
 PROMPTS = [[5, 6, 7], list(range(20, 37))]
 
 
+# a gated-delta-net layer, then a gated attention layer
+QWEN3_5 = dict(
+    architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+)
+
+
 def target_config(architecture: str, *, kv_heads: int, tied: bool):
     return parse_config(dict(
         architectures=[architecture], vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -198,7 +209,7 @@ def quantized() -> dict:
     """Greedy tokens of the Qwen3 target with 8-bit weights (int8 per output channel; fp8 per
     channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1;
     and at TP 4 from a copy holding its kernels [out, in] (one GPU's layout), placed by
-    `shard_model`."""
+    `shard_model`; a Qwen3.5 target's (int8 per 16 rows) at TP 2 and autoregressive at TP 1."""
     from dflash_jax.models import quantize_model
     from dflash_jax.placement import shard_model
     from dflash_jax.quantization import WeightQuantization, to_output_major
@@ -217,6 +228,11 @@ def quantized() -> dict:
         to_output_major(output_major)
         placed = shard_model(output_major, make_mesh(4, 1))
         out[f"{name}/4/output-major"] = generate(placed, models(cfg, 4)[1], PROMPTS, max_new_tokens=10).token_ids
+    hybrid = parse_config(QWEN3_5)  # its gated-delta-net layer's products 8-bit too
+    target = quantize_model(models(hybrid, 1)[0], WeightQuantization("int8", 16))
+    out["qwen3_5/ar"] = generate_autoregressive(target, PROMPTS, max_new_tokens=10).token_ids
+    placed = shard_model(target, make_mesh(2, 1))
+    out["qwen3_5/2"] = generate(placed, models(hybrid, 2)[1], PROMPTS, max_new_tokens=10).token_ids
     return out
 
 
@@ -272,15 +288,7 @@ def qwen3_5() -> dict:
     prompt's tokens (its prefill in chunks) at TP 1 and 2; heads too few to split in the Engine at
     TP 4 (their state whole on every device, step after step); the greedy tokens of its MoE
     variant at TP 1 and 2."""
-    raw = dict(
-        architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-    )
-    cfg = parse_config(raw)
+    cfg = parse_config(QWEN3_5)
     out = {"ar": generate_autoregressive(models(cfg, 1)[0], PROMPTS, max_new_tokens=12).token_ids}
     for tp in (1, 2, 4):
         target, drafter = models(cfg, tp)
@@ -302,9 +310,9 @@ def qwen3_5() -> dict:
     long_prompt = [[(7 * i) % 120 + 3 for i in range(100)]]  # prefilled in chunks of 64 tokens
     out["long"] = [generate(*models(cfg, tp), long_prompt, max_new_tokens=8, kernels=Kernels(recurrence=rule))
                    .token_ids for tp, rule in ((1, "reference"), (2, "reference"), (2, "pallas"))]
-    few = parse_config({**raw, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
+    few = parse_config({**QWEN3_5, "linear_num_key_heads": 2, "linear_num_value_heads": 2})  # whole at TP 4
     out["few heads"] = _shared_prefix_engine(*models(few, 4), reference=models(few, 1)[0])
-    moe = parse_config({**raw, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+    moe = parse_config({**QWEN3_5, "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
     out["moe"] = [generate(*models(moe, tp), PROMPTS, max_new_tokens=12).token_ids for tp in (1, 2)]
     return out

@@ -235,6 +235,38 @@ def test_greedy_dflash_equals_autoregressive_and_transformers_with_partly_accept
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=16)
 
 
+@pytest.mark.slow
+def test_convert_quantize_makes_every_wide_product_8_bit_and_decodes_exactly(decoding_pair, tmp_path):
+    """`convert --quantize int8` on a hybrid target: the gated-delta-net layers' q/k/v, z, out
+    and MLP products are 8-bit on disk like the attention layer's (b and a, a column a head,
+    stay float); the model computes what its dequantized float copy computes, and greedy DFlash
+    equals its own autoregressive decoding with partly accepted blocks, also through the
+    Pallas product (interpret mode)."""
+    import orbax.checkpoint as ocp
+
+    from test_quantization import dequantized
+
+    hf, _, drafter, tmp = decoding_pair
+    assert main(["convert", str(tmp / "hf"), str(tmp_path / "q"), "--quantize", "int8", "--quantize-block", "16"]) == 0
+    stored = ocp.StandardCheckpointer().restore((tmp_path / "q" / "params").absolute())["layers"]
+    linear_attn = stored["0"]["linear_attn"]
+    eight_bit = [linear_attn[name]["kernel"] for name in ("in_proj_qkv", "in_proj_z", "out_proj")]
+    eight_bit += [layer["mlp"][name]["kernel"] for layer in stored.values() for name in ("gate_up_proj", "down_proj")]
+    assert {str(np.dtype(kernel.dtype)) for kernel in eight_bit} == {"int8"}
+    assert {str(np.dtype(linear_attn[name]["kernel"].dtype)) for name in ("in_proj_a", "in_proj_b")} == {"float32"}
+    target = dflash_jax.load_target(tmp_path / "q")
+    ids = PROMPTS[2]
+    logits = np.asarray(dflash_jax.target_forward(target, ids)[0])
+    assert rel_err(logits, np.asarray(dflash_jax.target_forward(dequantized(target), ids)[0])) <= 1e-5
+    assert rel_err(logits, hf_forward(hf, ids)[0]) <= 0.05  # int8 rounding, through 70 tokens of state
+    ar = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=16).token_ids
+    for kernels in (dflash_jax.Kernels(), dflash_jax.Kernels(quantized="pallas")):
+        spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=16, kernels=kernels)
+        assert spec.token_ids == ar
+        assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)
+        assert any(n < 4 for lengths in spec.accepted_lengths for n in lengths[:-1])
+
+
 @pytest.mark.parametrize("rule", [dict(recurrence="pallas"), dict(recurrence="fused"),
                                   dict(recurrence="fused_decode", rule_inputs="pallas")],
                          ids=["pallas", "fused", "fused_decode-inputs"])

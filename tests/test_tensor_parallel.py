@@ -88,6 +88,7 @@ def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[f"{name}/1"] == out[f"{name}/ar"]
         assert out[f"{name}/4"] == out[f"{name}/1"], name
         assert out[f"{name}/4/output-major"] == out[f"{name}/1"], name
+    assert out["qwen3_5/2"] == out["qwen3_5/ar"]  # the convolution's channels reordered with their scales
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
     linear = functools.partial(_linear, scale_name=cfg.quantization and cfg.quantization.hf_scale)
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if getattr(cfg, "is_linear_attention", lambda _: False)(int(path[-1])):
-        rules += _gated_delta_net(f"{hf}.linear_attn", (*path, "linear_attn"))
+        rules += _gated_delta_net(f"{hf}.linear_attn", (*path, "linear_attn"), linear)
     else:
         gated = getattr(cfg, "attention_output_gate", False)
         starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
@@ -122,10 +122,12 @@ def _swiglu(hf: str, path: tuple, inter: int, *, bias: bool, linear) -> list[Wei
     return rules + linear(f"{hf}.down_proj", (*path, "down_proj"), bias=bias)
 
 
-def _gated_delta_net(hf: str, path: tuple) -> list[WeightRule]:
-    """Qwen3.5's linear-attention mixer, tensor for tensor."""
-    rules = [rule for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-             for rule in _linear(f"{hf}.{name}", (*path, name), bias=False)]
+def _gated_delta_net(hf: str, path: tuple, linear) -> list[WeightRule]:
+    """Qwen3.5's linear-attention mixer, tensor for tensor; `linear` (with scales where the
+    config is 8-bit) for its wide products, b and a always float (`GatedDeltaNet`)."""
+    rules = [rule for name in ("in_proj_qkv", "in_proj_z", "out_proj")
+             for rule in linear(f"{hf}.{name}", (*path, name), bias=False)]
+    rules += [rule for name in ("in_proj_b", "in_proj_a") for rule in _linear(f"{hf}.{name}", (*path, name), bias=False)]
     return rules + [WeightRule(f"{hf}.conv1d.weight", (*path, "conv1d_weight"), False),
                     WeightRule(f"{hf}.dt_bias", (*path, "dt_bias"), False),
                     WeightRule(f"{hf}.A_log", (*path, "A_log"), False),

@@ -25,8 +25,11 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         la = self.cfg = cfg.linear_attention
         d, value_width = cfg.hidden_size, la.num_value_heads * la.value_head_dim
-        self.in_proj_qkv = linear(d, la.conv_dim, ("embed", "qkv_heads"), use_bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_z = linear(d, value_width, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
+        eight_bit = dict(quantization=cfg.quantization)  # the three wide products; b and a (a column a head) stay float
+        self.in_proj_qkv = linear(d, la.conv_dim, ("embed", "qkv_heads"), use_bias=False, dtype=dtype, rngs=rngs,
+                                  **eight_bit)
+        self.in_proj_z = linear(d, value_width, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs,
+                                **eight_bit)
         heads = la.num_value_heads
         self.in_proj_b = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
         self.in_proj_a = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
@@ -35,7 +38,8 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
         self.A_log = nnx.Param(jnp.zeros((heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
         self.norm = RMSNorm(la.value_head_dim, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
-        self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs,
+                               **eight_bit)
         self.shards = 1  # column groups of in_proj_qkv and conv1d_weight: [q_g | k_g | v_g] per shard g
         self.mesh = None  # the mesh the model is placed on (its heads split when shards > 1)
 
@@ -59,14 +63,16 @@ class GatedDeltaNet(nnx.Module):
 
 class GatedDeltaNetLayer(nnx.Module):
     """Pre-norm gated delta net + SwiGLU MLP, called like `layers.DecoderLayer`: `attend`
-    receives `RecurrentInputs` instead of attention heads."""
+    receives `RecurrentInputs` instead of attention heads. The config's `quantization` makes
+    the mixer's q/k/v, z and out products and the MLP's 8-bit (`QuantizedLinear`)."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
         """`mlp`: the layer's feed-forward when it is not the dense SwiGLU (routed experts)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
         self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, axis_name="embed", dtype=dtype)
-        self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
+        self.mlp = mlp or MLP(cfg.hidden_size, cfg.intermediate_size, use_bias=False, dtype=dtype, rngs=rngs,
+                              quantization=cfg.quantization)
 
     def __call__(self, x_TD, delta_TD, positions_T, attend, kernels: Kernels = REFERENCE):
         x_TD, h_TD = self.input_layernorm.add_norm(x_TD, delta_TD, kernels)
