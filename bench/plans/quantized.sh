@@ -5,7 +5,8 @@
 # takes XLA's product, `--kernels quantized=reference`, instead of the Pallas kernel).
 #
 #   OUT=... bash bench/plans/quantized.sh COMMIT        # POINTS (default 1x1k), BLOCKS (16),
-#                                                        # SECTIONS (generate,steps), VARIANTS
+#                                                        # SECTIONS (generate,steps), VARIANTS,
+#                                                        # MODEL (a bench.shapes name, e.g. qwen3_5-9b)
 #   OUT=/tmp/q SMALL=1 bash bench/plans/quantized.sh HEAD   # CPU smoke test
 source "$(dirname "$0")/common.sh"
 for variant in ${VARIANTS:-bf16 int8 fp8}; do
@@ -16,7 +17,9 @@ for variant in ${VARIANTS:-bf16 int8 fp8}; do
     [ "$weights" != bf16 ] && quantize+=(--quantize "$weights")
     block=${variant%-xla}
     [ "$weights" != "$block" ] && quantize+=(--quantize-block "${block##*-b}")
-    decode "q-${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
-        --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${quantize[@]}"
+    model=()
+    [ -n "${MODEL:-}" ] && model=(--model "$(big "$MODEL" "small-${MODEL%%-*}")")
+    decode "q-${MODEL:+$MODEL-}${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
+        --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${model[@]}" "${quantize[@]}"
 done
 python3 -m bench.decode.summary "$out"
