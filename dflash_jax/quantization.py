@@ -151,14 +151,18 @@ def hf_dequantized(values_OI, stored_scale, quantization: WeightQuantization) ->
 
 def dequantized_on_read(raw: dict[str, Any], cfg) -> WeightQuantization | None:
     """The quantization of a published 8-bit checkpoint whose parsed config (`cfg`) dropped it
-    to describe a float model (`config.parse_target_config`: layers with no 8-bit form), so
-    its weights are dequantized as they are read; None for every other checkpoint. A
-    vision-language config may hold it in its text config."""
+    to describe a float model (`config.parse_target_config`: layers with no 8-bit form; or
+    `hf_to_nnx`: a hybrid checkpoint leaving products in float), so its weights are
+    dequantized as they are read; None for every other checkpoint."""
     if cfg.quantization is not None:
         return None
-    published = parse_quantization(raw.get("quantization_config")
-                                   or (raw.get("text_config") or {}).get("quantization_config"))
+    published = parse_quantization(published_quantization_config(raw))
     return published if published is not None and published.hf_scale is not None else None
+
+
+def published_quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A config.json's `quantization_config`, or its text config's (vision-language checkpoints)."""
+    return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
 
 
 def without_quantization(raw: dict[str, Any]) -> dict[str, Any]:

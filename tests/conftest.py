@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -333,17 +334,21 @@ def expanded_scales(scale: np.ndarray, shape: tuple[int, int], block_out: int, b
     return np.repeat(np.repeat(scale, block_out, 0)[:shape[0]], block_in, 1)[:, :shape[1]]
 
 
-def write_published_fp8(folder: Path, out: Path, reference: Path, layout: str) -> None:
+def write_published_fp8(folder: Path, out: Path, reference: Path, layout: str, keep_float: tuple[str, ...] = ()) -> None:
     """The HF checkpoint in `folder` written to `out` as published FP8 checkpoints are: every
-    2-D projection weight (`*_proj.weight`) in e4m3 with Qwen's 16 x 24 block
+    2-D projection weight (`*_proj.weight`, Qwen3.5's `in_proj_*.weight`) in e4m3 with Qwen's 16 x 24 block
     `weight_scale_inv` ("qwen") or compressed-tensors' per-channel `weight_scale`, everything
     else (router, norms, embeddings, LM head) as it was; and to `reference` the float
-    checkpoint of the weights those stand for (what a dequantizing reader must compute)."""
+    checkpoint of the weights those stand for (what a dequantizing reader must compute).
+    `keep_float`: parts of module names left in float too, listed in the quantization config
+    (its modules_to_not_convert, or compressed-tensors' ignore as `re:` patterns)."""
     from safetensors.torch import load_file, save_file
 
     tensors = {k: v for path in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(path).items()}
     dequantized = dict(tensors)
-    for name in [n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+    projection = re.compile(r"(_proj|\.linear_attn\.in_proj_\w+)\.weight$")  # Qwen3.5's in_proj_qkv, _z, _b, _a too
+    for name in [n for n, t in tensors.items() if projection.search(n) and t.dim() == 2
+                 and not any(part in n for part in keep_float)]:
         w = tensors[name].float().numpy()
         block_out, block_in = (16, 24) if layout == "qwen" else (1, w.shape[1])
         values, scale = fp8_blocks(w, block_out, block_in)
@@ -358,7 +363,8 @@ def write_published_fp8(folder: Path, out: Path, reference: Path, layout: str) -
     (reference / "config.json").write_text(json.dumps(config))
     config["quantization_config"] = (
         {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 24],
-         "modules_to_not_convert": ["lm_head"]} if layout == "qwen" else
-        {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {
+         "modules_to_not_convert": ["lm_head", *keep_float]} if layout == "qwen" else
+        {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp.gate$", *(f"re:.*{part}.*" for part in keep_float)],
+         "config_groups": {"group_0": {
             "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}})
     (out / "config.json").write_text(json.dumps(config))

@@ -149,11 +149,20 @@ def test_a_vision_language_checkpoint_converts_to_its_text_model(tmp_path):
     assert rel_err(logits, want) < 1e-4
 
 
-@pytest.mark.parametrize("kind, layout", [("text", "qwen"), ("vision-language", "compressed-tensors")])
-def test_a_published_fp8_checkpoint_loads_as_its_dequantized_float_model(tmp_path, kind, layout):
-    """FP8 projections (the gated-delta-net layers' in_proj_* and out_proj among them, which
-    have no 8-bit form here) are read dequantized: the float model of the weights they stand
-    for, with transformers' logits from those weights; the converted config.json float."""
+OFFICIAL_FP8_FLOAT = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # what Qwen's own FP8 checkpoints keep float
+
+
+@pytest.mark.parametrize("kind, layout, keep_float, eight_bit", [
+    ("text", "qwen", OFFICIAL_FP8_FLOAT, True), ("vision-language", "compressed-tensors", (), True),
+    ("text", "compressed-tensors", ("linear_attn",), False)], ids=["official", "every-projection", "mixers-float"])
+def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_model(tmp_path, kind, layout, keep_float,
+                                                                                 eight_bit):
+    """FP8 projections load as the 8-bit products that hold them (the gated-delta-net layers'
+    b and a, float here, read dequantized where stored 8-bit); a checkpoint that leaves
+    products held 8-bit here in float (every linear_attn module, as community FP8 checkpoints
+    do) loads as the float model of its dequantized weights, its converted config.json float.
+    Either way transformers' logits from the weights they stand for."""
+    import orbax.checkpoint as ocp
     import transformers
 
     from conftest import write_published_fp8
@@ -169,16 +178,19 @@ def test_a_published_fp8_checkpoint_loads_as_its_dequantized_float_model(tmp_pat
             vision_config=vision, tie_word_embeddings=False))
         architecture = transformers.Qwen3_5ForConditionalGeneration
     hf.save_pretrained(tmp_path / "hf")
-    write_published_fp8(tmp_path / "hf", tmp_path / "fp8", tmp_path / "reference", layout)
+    write_published_fp8(tmp_path / "hf", tmp_path / "fp8", tmp_path / "reference", layout, keep_float)
     ids = [3, 14, 15, 92, 65, 35, 8, 9]
     with torch.no_grad():
         want = architecture.from_pretrained(tmp_path / "reference").float().eval()(
             input_ids=torch.tensor([ids])).logits[0].numpy()
     assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "converted")]) == 0
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
-    assert "quantization_config" not in config and "quantization_config" not in config.get("text_config", {})
+    assert ("quantization_config" in config or "quantization_config" in config.get("text_config", {})) == eight_bit
+    mixer = ocp.StandardCheckpointer().restore((tmp_path / "converted" / "params").absolute())["layers"]["0"]["linear_attn"]
+    dtypes = [str(np.dtype(mixer[name]["kernel"].dtype)) for name in ("in_proj_qkv", "out_proj", "in_proj_a")]
+    assert dtypes == (["float8_e4m3fn"] * 2 if eight_bit else ["float32"] * 2) + ["float32"]
     for target in (dflash_jax.load_target(tmp_path / "converted"), dflash_jax.load_target(tmp_path / "fp8")):
-        assert target.cfg.quantization is None
+        assert (target.cfg.quantization is not None) == eight_bit
         assert rel_err(dflash_jax.target_forward(target, ids, layer_ids=[0])[0], want) < 1e-4
 
 

@@ -34,7 +34,7 @@ from dflash_jax.models import abstract_model, model_from_params, quantize_model
 from dflash_jax.placement import place_model
 from dflash_jax.quantization import (DEFAULT_QUANTIZE_BLOCK, QUANTIZE_CHOICES, WeightQuantization, dequantized_on_read,
                                      hf_dequantized, hf_scale_shape, hf_scales, left_in_float,
-                                     without_quantization)
+                                     published_quantization_config, without_quantization)
 from dflash_jax.staging import StagedOutput, refuse_overlap, terminate_raises
 
 # Files copied next to the converted weights when present: tokenizer and generation defaults.
@@ -82,11 +82,25 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     else:
         rules, ignored = (gguf_target_rules(cfg) if gguf else target_rules(cfg)), target_ignored
 
-    expected = {rule.hf_name for rule in rules}
+    float_products = [rule.hf_name.rsplit(".", 1)[0] for rule in rules if rule.scales and rule.hf_name not in shapes
+                      and left_in_float(published_quantization_config(raw_config), rule.hf_name.rsplit(".", 1)[0])]
+    if float_products and getattr(cfg, "linear_attention", None) is not None:
+        # a hybrid checkpoint that leaves products this model holds 8-bit in float (e.g. every
+        # linear_attn module ignored): the whole model read dequantized, as one float model
+        cfg = dataclasses.replace(cfg, quantization=None)
+        dequantized, raw_config = dequantized_on_read(raw_config, cfg), without_quantization(raw_config)
+        rules, float_products = target_rules(cfg), []
+    # published 8-bit weights read as float: every one of a model read dequantized, else those
+    # this model holds in float (Qwen3.5's b and a projections)
+    reading = dequantized or (cfg.quantization if cfg.quantization is not None and cfg.quantization.hf_scale else None)
+    if reading is not None:
+        held = {rule.hf_name for rule in rules if rule.scales}  # scale tensors this model reads as scales
+        scale_of = {rule.hf_name: rule.hf_name.removesuffix("weight") + reading.hf_scale for rule in rules
+                    if rule.hf_name.removesuffix("weight") + reading.hf_scale in shapes
+                    and rule.hf_name.removesuffix("weight") + reading.hf_scale not in held}
+    expected = {rule.hf_name for rule in rules} | set(scale_of.values())
     if dequantized is not None:
-        scale_of = {name: name.removesuffix("weight") + dequantized.hf_scale for name in expected
-                    if name.removesuffix("weight") + dequantized.hf_scale in shapes}
-        expected |= set(scale_of.values()) | {name for name in shapes if name.endswith(".input_scale")}  # unused
+        expected |= {name for name in shapes if name.endswith(".input_scale")}  # unused
     unexpected = sorted(n for n in shapes if n not in expected and not ignored(cfg, n))
     if unexpected:
         raise ConversionError(
@@ -94,8 +108,6 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             "with this config.json; check that config and weights belong together."
         )
     missing = [rule.hf_name for rule in rules if rule.hf_name not in shapes]
-    float_products = [rule.hf_name.rsplit(".", 1)[0] for rule in rules if rule.scales and rule.hf_name not in shapes
-                      and left_in_float(raw_config.get("quantization_config"), rule.hf_name.rsplit(".", 1)[0])]
     if float_products:
         raise ConversionError(
             f"{float_products[0]!r} ({len(float_products)} in all) stays in float "
@@ -109,12 +121,12 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         stored = source.dtypes.get(aliases.get(rule.hf_name, rule.hf_name))
         if stored is not None and not stored.startswith(("float", "bfloat")) and not rule.vocab_offsets:
             raise ConversionError(_not_float(rule.hf_name, stored))
-        if dequantized is not None and (rule.hf_name in scale_of) != (stored == jnp.dtype(dequantized.dtype).name):
-            raise ConversionError(
-                f"tensor {rule.hf_name!r} is {stored} with a {dequantized.hf_scale} beside it; the checkpoint is "
-                "damaged." if rule.hf_name in scale_of else
-                f"tensor {rule.hf_name!r} is {stored} but has no {dequantized.hf_scale} beside it; the checkpoint "
-                "is damaged.")
+        if reading is not None and rule.hf_name in scale_of and stored != jnp.dtype(reading.dtype).name:
+            raise ConversionError(f"tensor {rule.hf_name!r} is {stored} with a {reading.hf_scale} beside it; the "
+                                  "checkpoint is damaged.")
+        if dequantized is not None and rule.hf_name not in scale_of and stored == jnp.dtype(dequantized.dtype).name:
+            raise ConversionError(f"tensor {rule.hf_name!r} is {stored} but has no {dequantized.hf_scale} beside it; "
+                                  "the checkpoint is damaged.")
     if dtype is None:
         first = rules[0].hf_name
         dtype = _float_tensor(first, source.get(aliases.get(first, first))).dtype
@@ -130,7 +142,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
                 continue
         if rule.hf_name in scale_of:
             out, inp = shapes[rule.hf_name]
-            got, want_scale = tuple(shapes[scale_of[rule.hf_name]]), hf_scale_shape(dequantized, inp, out)
+            got, want_scale = tuple(shapes[scale_of[rule.hf_name]]), hf_scale_shape(reading, inp, out)
             if math.prod(got) != 1 and got != want_scale and not (want_scale[1] == 1 and got == want_scale[:1]):
                 raise ConversionError(f"shape mismatch for {scale_of[rule.hf_name]!r}: expected {list(want_scale)} "
                                       f"beside a weight [{out}, {inp}], got {list(got)}.")
@@ -149,7 +161,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         if rule.vocab_offsets:
             array = _target_ids(rule.hf_name, array, cfg.vocab_size)
         elif rule.hf_name in scale_of:
-            array = rule.hf_part(hf_dequantized(array, source.get(scale_of[rule.hf_name]), dequantized))
+            array = rule.hf_part(hf_dequantized(array, source.get(scale_of[rule.hf_name]), reading))
+        elif rule.scales and np.size(array) == 1:  # one scale for the whole weight: no part to take
+            array = _stored_as(rule.hf_name, array, abstract.dtype)
         else:
             array = rule.hf_part(_stored_as(rule.hf_name, array, abstract.dtype))
         if rule.plus_one:  # a zero-centred norm weight, in float32 before the cast

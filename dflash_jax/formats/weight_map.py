@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import re
 
-from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, DrafterConfig, ExpertsConfig, TargetConfig
+from dflash_jax.config import VISION_LANGUAGE_ARCHITECTURES, ConfigError, DrafterConfig, ExpertsConfig, TargetConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +90,12 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
         starts = {"q_proj": 0, "k_proj": q_width, "v_proj": q_width + kv_width}
         for proj, start in starts.items():
             width = q_width if proj == "q_proj" else kv_width
-            rules += [dataclasses.replace(rule, head_part=(2, 0, cfg.head_dim) if gated and proj == "q_proj" else None)
+            rules += [_head_part(rule, 0, cfg) if gated and proj == "q_proj" else rule
                       for rule in linear(f"{hf}.self_attn.{proj}", (*path, "self_attn", "qkv_proj"),
                                          bias=cfg.attention_bias, columns=(start, start + width))]
         if gated:  # Qwen3.5's q_proj holds [q | gate] per head
-            rules += [dataclasses.replace(rule, head_part=(2, 1, cfg.head_dim))
-                      for rule in linear(f"{hf}.self_attn.q_proj", (*path, "self_attn", "gate_proj"),
-                                         bias=cfg.attention_bias)]
+            rules += [_head_part(rule, 1, cfg) for rule in linear(f"{hf}.self_attn.q_proj", (*path, "self_attn", "gate_proj"),
+                                                                  bias=cfg.attention_bias)]
         rules += linear(f"{hf}.self_attn.o_proj", (*path, "self_attn", "o_proj"), bias=cfg.attention_bias)
         if qk_norm:
             rules += [_norm(f"{hf}.self_attn.{n}", (*path, "self_attn", n), zero_centered) for n in ("q_norm", "k_norm")]
@@ -112,6 +111,18 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
     if experts is not None:
         return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
     return rules + _swiglu(f"{hf}.mlp", (*path, "mlp"), cfg.intermediate_size, bias=mlp_bias, linear=linear)
+
+
+def _head_part(rule: WeightRule, index: int, cfg) -> WeightRule:
+    """`rule` taking part `index` of each head's [q | gate] rows; a block scale's rows are
+    blocks of `block_out` weight rows, so its heads are head_dim / block_out rows each."""
+    rows = cfg.head_dim
+    if rule.scales:
+        if cfg.head_dim % cfg.quantization.block_out:
+            raise ConfigError(f"8-bit scales in blocks of {cfg.quantization.block_out} rows straddle the "
+                              f"{cfg.head_dim}-row halves of the gated q_proj's heads; convert the float checkpoint.")
+        rows //= cfg.quantization.block_out
+    return dataclasses.replace(rule, head_part=(2, index, rows))
 
 
 def _swiglu(hf: str, path: tuple, inter: int, *, bias: bool, linear) -> list[WeightRule]:
