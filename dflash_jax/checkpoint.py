@@ -102,7 +102,18 @@ def load_checkpoint(path: str | Path, dtype=None, mesh: Mesh | None = None) -> T
     if mesh is not None:
         # numpy targets restore to the host (np.empty reserves no memory until written)
         on_host = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_params)
-        params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), on_host)
-        return place_model(cfg, target_dtype, params, mesh)
-    params = ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
-    return model_in_dtype(cfg, target_dtype, params)
+        return place_model(cfg, target_dtype, _restore(path, on_host), mesh)
+    return model_in_dtype(cfg, target_dtype, _restore(path, abstract_params))
+
+
+def _restore(path: Path, abstract_params: dict) -> dict:
+    """The parameters of `path`, which must be those its config builds: a folder written by an
+    earlier version may hold another set (a Qwen3.5 target quantized before its gated-delta-net
+    layers had an 8-bit form)."""
+    try:
+        return ocp.StandardCheckpointer().restore((path / PARAMS_DIR).absolute(), abstract_params)
+    except ValueError as err:
+        if "structure" not in str(err).lower():
+            raise
+        raise ConfigError(f"{path} holds other parameters than its config.json describes to this version (written "
+                          "by an earlier one?); convert the HF checkpoint again.") from err

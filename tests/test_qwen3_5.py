@@ -5,6 +5,7 @@ the gated delta rule against transformers' own recurrent and chunked forms; expo
 trip."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -154,14 +155,16 @@ OFFICIAL_FP8_FLOAT = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # what 
 
 @pytest.mark.parametrize("kind, layout, keep_float, eight_bit", [
     ("text", "qwen", OFFICIAL_FP8_FLOAT, True), ("vision-language", "compressed-tensors", (), True),
-    ("text", "compressed-tensors", ("linear_attn",), False)], ids=["official", "every-projection", "mixers-float"])
+    ("text", "compressed-tensors", ("linear_attn",), False), ("text", "qwen", ("linear_attn",), False)],
+    ids=["official", "every-projection", "mixers-float", "mixers-float-unlisted"])
 def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_model(tmp_path, kind, layout, keep_float,
-                                                                                 eight_bit):
+                                                                                 eight_bit, request):
     """FP8 projections load as the 8-bit products that hold them (the gated-delta-net layers'
-    b and a, float here, read dequantized where stored 8-bit); a checkpoint that leaves
+    b and a, float here, read dequantized where stored 8-bit); a checkpoint that stores
     products held 8-bit here in float (every linear_attn module, as community FP8 checkpoints
-    do) loads as the float model of its dequantized weights, its converted config.json float.
-    Either way transformers' logits from the weights they stand for."""
+    do, listed in its config or not) loads as the float model of its dequantized weights, its
+    converted config.json float. Either way transformers' logits from the weights they stand
+    for."""
     import orbax.checkpoint as ocp
     import transformers
 
@@ -179,6 +182,10 @@ def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_mode
         architecture = transformers.Qwen3_5ForConditionalGeneration
     hf.save_pretrained(tmp_path / "hf")
     write_published_fp8(tmp_path / "hf", tmp_path / "fp8", tmp_path / "reference", layout, keep_float)
+    if request.node.callspec.id == "mixers-float-unlisted":
+        config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+        config["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+        (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     ids = [3, 14, 15, 92, 65, 35, 8, 9]
     with torch.no_grad():
         want = architecture.from_pretrained(tmp_path / "reference").float().eval()(
@@ -192,6 +199,23 @@ def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_mode
     for target in (dflash_jax.load_target(tmp_path / "converted"), dflash_jax.load_target(tmp_path / "fp8")):
         assert (target.cfg.quantization is not None) == eight_bit
         assert rel_err(dflash_jax.target_forward(target, ids, layer_ids=[0])[0], want) < 1e-4
+
+
+def test_an_8_bit_weight_without_its_scale_is_refused(tmp_path):
+    """A b projection (held float here, read dequantized) stored in e4m3 with its scale gone."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import write_published_fp8
+    from dflash_jax.formats.hf_reader import ConversionError
+
+    make_qwen3_5(seed=5).save_pretrained(tmp_path / "hf")
+    write_published_fp8(tmp_path / "hf", tmp_path / "fp8", tmp_path / "reference", "qwen")
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    del tensors["model.layers.0.linear_attn.in_proj_b.weight_scale_inv"]
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"in_proj_b.weight' is float8_e4m3fn but has no weight_scale_inv beside "
+                                              r"it; the checkpoint is damaged"):
+        dflash_jax.load_target(tmp_path / "fp8")
 
 
 def test_vision_language_checkpoints_read_their_text_model():
@@ -266,6 +290,11 @@ def test_convert_quantize_makes_every_wide_product_8_bit_and_decodes_exactly(dec
     eight_bit += [layer["mlp"][name]["kernel"] for layer in stored.values() for name in ("gate_up_proj", "down_proj")]
     assert {str(np.dtype(kernel.dtype)) for kernel in eight_bit} == {"int8"}
     assert {str(np.dtype(linear_attn[name]["kernel"].dtype)) for name in ("in_proj_a", "in_proj_b")} == {"float32"}
+    stale = tmp_path / "stale"  # float weights under an 8-bit config (a folder an earlier version quantized)
+    shutil.copytree(tmp / "converted", stale)
+    shutil.copy(tmp_path / "q" / "config.json", stale / "config.json")
+    with pytest.raises(ConfigError, match="holds other parameters than its config.json describes"):
+        dflash_jax.load_target(stale)
     target = dflash_jax.load_target(tmp_path / "q")
     ids = PROMPTS[2]
     logits = np.asarray(dflash_jax.target_forward(target, ids)[0])

@@ -82,14 +82,15 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     else:
         rules, ignored = (gguf_target_rules(cfg) if gguf else target_rules(cfg)), target_ignored
 
-    float_products = [rule.hf_name.rsplit(".", 1)[0] for rule in rules if rule.scales and rule.hf_name not in shapes
-                      and left_in_float(published_quantization_config(raw_config), rule.hf_name.rsplit(".", 1)[0])]
-    if float_products and getattr(cfg, "linear_attention", None) is not None:
-        # a hybrid checkpoint that leaves products this model holds 8-bit in float (e.g. every
-        # linear_attn module ignored): the whole model read dequantized, as one float model
+    if (not gguf and getattr(cfg, "linear_attention", None) is not None
+            and any(rule.scales and rule.hf_name not in shapes for rule in rules)):
+        # a hybrid checkpoint that stores products this model holds 8-bit without scales (community
+        # FP8 checkpoints leave every linear_attn module float): one float model, read dequantized
         cfg = dataclasses.replace(cfg, quantization=None)
         dequantized, raw_config = dequantized_on_read(raw_config, cfg), without_quantization(raw_config)
-        rules, float_products = target_rules(cfg), []
+        rules = target_rules(cfg)
+    float_products = [rule.hf_name.rsplit(".", 1)[0] for rule in rules if rule.scales and rule.hf_name not in shapes
+                      and left_in_float(published_quantization_config(raw_config), rule.hf_name.rsplit(".", 1)[0])]
     # published 8-bit weights read as float: every one of a model read dequantized, else those
     # this model holds in float (Qwen3.5's b and a projections)
     reading = dequantized or (cfg.quantization if cfg.quantization is not None and cfg.quantization.hf_scale else None)
@@ -124,8 +125,9 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         if reading is not None and rule.hf_name in scale_of and stored != jnp.dtype(reading.dtype).name:
             raise ConversionError(f"tensor {rule.hf_name!r} is {stored} with a {reading.hf_scale} beside it; the "
                                   "checkpoint is damaged.")
-        if dequantized is not None and rule.hf_name not in scale_of and stored == jnp.dtype(dequantized.dtype).name:
-            raise ConversionError(f"tensor {rule.hf_name!r} is {stored} but has no {dequantized.hf_scale} beside it; "
+        if (reading is not None and stored == jnp.dtype(reading.dtype).name and rule.hf_name not in scale_of
+                and rule.hf_name.removesuffix("weight") + reading.hf_scale not in held):
+            raise ConversionError(f"tensor {rule.hf_name!r} is {stored} but has no {reading.hf_scale} beside it; "
                                   "the checkpoint is damaged.")
     if dtype is None:
         first = rules[0].hf_name
