@@ -96,9 +96,8 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     reading = dequantized or (cfg.quantization if cfg.quantization is not None and cfg.quantization.hf_scale else None)
     if reading is not None:
         held = {rule.hf_name for rule in rules if rule.scales}  # scale tensors this model reads as scales
-        scale_of = {rule.hf_name: rule.hf_name.removesuffix("weight") + reading.hf_scale for rule in rules
-                    if rule.hf_name.removesuffix("weight") + reading.hf_scale in shapes
-                    and rule.hf_name.removesuffix("weight") + reading.hf_scale not in held}
+        beside = {rule.hf_name: rule.hf_name.removesuffix("weight") + reading.hf_scale for rule in rules}
+        scale_of = {name: scale for name, scale in beside.items() if scale in shapes and scale not in held}
     expected = {rule.hf_name for rule in rules} | set(scale_of.values())
     if dequantized is not None:
         expected |= {name for name in shapes if name.endswith(".input_scale")}  # unused
@@ -126,7 +125,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
             raise ConversionError(f"tensor {rule.hf_name!r} is {stored} with a {reading.hf_scale} beside it; the "
                                   "checkpoint is damaged.")
         if (reading is not None and stored == jnp.dtype(reading.dtype).name and rule.hf_name not in scale_of
-                and rule.hf_name.removesuffix("weight") + reading.hf_scale not in held):
+                and beside[rule.hf_name] not in held):
             raise ConversionError(f"tensor {rule.hf_name!r} is {stored} but has no {reading.hf_scale} beside it; "
                                   "the checkpoint is damaged.")
     if dtype is None:

@@ -25,11 +25,11 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         la = self.cfg = cfg.linear_attention
         d, value_width = cfg.hidden_size, la.num_value_heads * la.value_head_dim
-        eight_bit = dict(quantization=cfg.quantization)  # the three wide products; b and a (a column a head) stay float
+        quantization = cfg.quantization  # the three wide products; b and a (a column a head) stay float
         self.in_proj_qkv = linear(d, la.conv_dim, ("embed", "qkv_heads"), use_bias=False, dtype=dtype, rngs=rngs,
-                                  **eight_bit)
+                                  quantization=quantization)
         self.in_proj_z = linear(d, value_width, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs,
-                                **eight_bit)
+                                quantization=quantization)
         heads = la.num_value_heads
         self.in_proj_b = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
         self.in_proj_a = linear(d, heads, ("embed", "q_heads"), use_bias=False, dtype=dtype, rngs=rngs)
@@ -39,7 +39,7 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.zeros((heads,), dtype), out_sharding=("q_heads",), eager_sharding=False)
         self.norm = RMSNorm(la.value_head_dim, cfg.rms_norm_eps, axis_name="head_dim", dtype=dtype)
         self.out_proj = linear(value_width, d, ("q_heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs,
-                               **eight_bit)
+                               quantization=quantization)
         self.shards = 1  # column groups of in_proj_qkv and conv1d_weight: [q_g | k_g | v_g] per shard g
         self.mesh = None  # the mesh the model is placed on (its heads split when shards > 1)
 
