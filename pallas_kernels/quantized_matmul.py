@@ -30,7 +30,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, runs_interpreted
 
-MAX_BLOCK_ROWS = 64  # rows per program; larger calls get more programs along the rows
 MIN_TILE = 16  # Triton's smallest product tile
 
 
@@ -60,13 +59,15 @@ def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, do
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """How a [K, N] weight is cut: `block_k` input rows per step of a program's loop,
-    `block_n` output columns per program, `splits` shares of the input rows."""
+    `block_n` output columns per program, `splits` shares of the input rows; `block_rows`, the
+    most rows of x per program (larger calls get more programs along the rows)."""
 
     block_k: int
     block_n: int
     splits: int
     num_warps: int = 4
     num_stages: int = 3
+    block_rows: int = 64
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -137,7 +138,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
         raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}); "
                          "use default_tiling(K, N, block_in).")
     interpret = runs_interpreted(interpret)
-    block_m = min(max(next_pow2(T), MIN_TILE), MAX_BLOCK_ROWS)
+    block_m = min(max(next_pow2(T), MIN_TILE), tiling.block_rows)
     padded = -(-T // block_m) * block_m
     x = jnp.pad(x_TI, ((0, padded - T), (0, 0)))
     finish = tiling.splits == 1

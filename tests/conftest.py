@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import os
 import re
@@ -21,13 +22,24 @@ import dflash_jax.cli
 # serializing executables that no test asked to keep). Commands run as subprocesses keep it.
 dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 
-# The tiny models run in microseconds and compile in seconds: XLA CPU's code generation at
-# optimization level 0 compiles them ~20% faster (a flag of the CPU backend's LLVM pipeline;
-# programs compute the same values). Set before any backend starts, so this process, its
-# workers and the commands they run inherit it; the notebooks' kernels drop it (test_notebooks).
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+
+def fast_compile_flags() -> tuple[str, ...]:
+    """XLA flags that compile the suite's programs faster without changing what they compute.
+
+    The tiny models run in microseconds and compile in seconds. XLA CPU's code generation at
+    optimization level 0 compiles them ~20% faster, and its older loop emitters in place of
+    the fusion emitters ~25% faster again (`bench/LESSONS.md`). The second flag is offered to
+    CPU-only installs alone: XLA refuses an unknown flag at start, and a CUDA build of another
+    version need not know it."""
+    cuda = any((d.metadata["Name"] or "").startswith("jax-cuda") for d in importlib.metadata.distributions())
+    return ("--xla_backend_optimization_level=0",) + (() if cuda else ("--xla_cpu_use_fusion_emitters=false",))
+
+
+# Set before any backend starts, so this process, its workers and the commands they run inherit
+# them; the notebooks' kernels drop them (test_notebooks).
+FAST_COMPILE_FLAGS = fast_compile_flags()
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", "")] + [f for f in FAST_COMPILE_FLAGS if f not in os.environ.get("XLA_FLAGS", "")]).strip()
 
 # Most of the suite's time is XLA compiling the same few tiny programs again: in the other
 # pytest-xdist worker, in the next module (whose models have the same shapes), and after

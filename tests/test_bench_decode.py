@@ -36,7 +36,9 @@ def test_small_run_records_every_section(tmp_path, dtype):
     if every:
         assert derived["engine_s"] > 0 and derived["engine_sync_s"] > 0 and derived["engine_dflash_s"] > 0
         assert point["engine"]["dflash"]["new_traces_in_timed_steps"] == 0
-        assert all(point["steps"][key] is not None for key in point["steps"])
+        assert "error" not in point["steps"], point["steps"]["error"]
+        assert point["steps"]["ar_step"] is not None and all(
+            part is not None for part in point["steps"]["dflash"]["16"].values())
     itemsize = {"bfloat16": 2, "float32": 4}[dtype]
     cfg = shapes.SMALL  # the K/V bytes follow the dtype
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * itemsize

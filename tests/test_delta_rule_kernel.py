@@ -4,6 +4,11 @@ rows and tokens in no row; the reference equals transformers' recurrent form; a 
 give the same outputs and state bit for bit whether they come in one call or one at a time
 (a verify block computes what single steps compute)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +16,8 @@ import pytest
 
 from pallas_kernels.chunked_delta_rule import chunked_delta_rule_pallas
 from pallas_kernels.delta_rule import delta_rule_pallas, delta_rule_reference
+
+HERE = Path(__file__).resolve().parent
 
 
 def random_inputs(rng, T, R, Hk=2, Hv=4, dk=16, dv=64):
@@ -84,14 +91,27 @@ def assert_block_equals_its_tokens(rule, inputs):
     np.testing.assert_array_equal(state, block_state)
 
 
-@pytest.mark.parametrize("kernel", ["pallas", "pallas-unroll-1", "reference"])
-def test_a_block_equals_its_tokens_one_at_a_time(kernel):
-    """6 tokens: in runs of 4 (few programs), tokens 0-3 come in a run and 4-5 one at a time;
-    in runs of 1 (many programs) each alone."""
+def block_equals_its_tokens(kernel: str) -> None:
     rule = {"pallas": lambda *a: delta_rule_pallas(*a, interpret=True),
             "pallas-unroll-1": lambda *a: delta_rule_pallas(*a, unroll=1, interpret=True),
             "reference": delta_rule_reference}[kernel]
     assert_block_equals_its_tokens(rule, random_inputs(np.random.default_rng(5), T=6, R=1))
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "pallas-unroll-1", "reference"])
+def test_a_block_equals_its_tokens_one_at_a_time(kernel):
+    """6 tokens: in runs of 4 (few programs), tokens 0-3 come in a run and 4-5 one at a time;
+    in runs of 1 (many programs) each alone.
+
+    Run in a fresh interpreter with XLA CPU's code generation at optimization level 0 and its
+    fusion emitters, and nothing else: the interpreted kernel's run of 4 tokens keeps the single
+    tokens' order of float operations there, and LLVM's optimized code (XLA's default) or the
+    older emitters (the suite's other fast-compile flag) reorder it by an ulp."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", f"import test_delta_rule_kernel as t; t.block_equals_its_tokens({kernel!r})"],
+                          cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("kernel", [delta_rule_pallas, chunked_delta_rule_pallas], ids=["walk", "chunked"])

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import FAST_COMPILE_FLAG
+from conftest import FAST_COMPILE_FLAGS
 from dflash_jax.demo import DEFAULT_DRAFTER
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -21,8 +21,9 @@ NEED_SMOLLM2_DRAFTER = {"01_quickstart.ipynb", "03_acceptance.ipynb"}
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     # The notebooks decode a real model: its run, not compilation, dominates them, so their
-    # kernels take XLA's optimized code generation, not the suite's fast-compile flag (conftest).
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAG, "").strip())
+    # kernels take XLA's optimized code generation, not the suite's fast-compile flags (conftest).
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag not in FAST_COMPILE_FLAGS]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(kept))
     if path.name in NEED_SMOLLM2_DRAFTER and not DEFAULT_DRAFTER.exists() and not os.environ.get("DFLASH_JAX_DRAFTER"):
         pytest.skip(f"no SmolLM2 drafter: {DEFAULT_DRAFTER} is not in this checkout and DFLASH_JAX_DRAFTER is unset")
     notebook = nbformat.read(path, as_version=4)

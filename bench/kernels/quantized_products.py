@@ -86,8 +86,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--copies", type=int, default=12, help="distinct weights per matrix")
     parser.add_argument("--rows", default="1,16,64")
-    parser.add_argument("--sweep", default="128,256:64,128:1,2,4,8:4:3",
-                        help="block_k : block_n : splits : warps : stages lists ('' for none)")
+    parser.add_argument("--sweep", default="128,256:64,128:1,2,4,8:4:3:64",
+                        help="block_k : block_n : splits : warps : stages : block_rows lists ('' for none)")
     parser.add_argument("--sweep-rows", default="1,16", help="the rows M the sweep runs at")
     parser.add_argument("--sweep-block", type=int, default=128,
                         help="the swept weights' input rows per scale (0: per column)")
@@ -152,22 +152,22 @@ def main(argv=None):
             if args.sweep_transposed:
                 ws = [(v.T, s) for v, s in ws]
             nb = K * N + ws[0][1].size * 4
-            for bk, bn, splits, warps, stages in itertools.product(
+            for bk, bn, splits, warps, stages, block_rows in itertools.product(
                     *[[int(v) for v in part.split(",")] for part in args.sweep.split(":")]):
                 if N % bn or K % (bk * splits) or (block and block % bk):
                     continue
-                tiling = Tiling(bk, bn, splits, warps, stages)
+                tiling = Tiling(bk, bn, splits, warps, stages, block_rows)
                 fn = lambda x, v, s, block=block, tiling=tiling: quantized_matmul_pallas(
                     x, v, s, block, tiling=tiling, interpret=interpret, transposed=args.sweep_transposed)
                 variant = f"sweep{'-b128' if block else ''}{'-nk' if args.sweep_transposed else ''}"
                 try:
                     seconds = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
-                    report(matrix=name, rows=M, variant=variant, tiling=[bk, bn, splits, warps, stages],
+                    report(matrix=name, rows=M, variant=variant, tiling=[bk, bn, splits, warps, stages, block_rows],
                            error=str(error)[:300])
                     continue
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
-                       tiling=[bk, bn, splits, warps, stages])
+                       tiling=[bk, bn, splits, warps, stages, block_rows])
     record.write(dict(copies=args.copies, timings=results))
     print(f"\n{'matrix':<8} {'M':>3} {'variant':<18} {'us':>8} {'TB/s':>6} tiling")
     for r in results:
