@@ -57,11 +57,10 @@ CHOICES = {
 }
 # What "auto" means: (on a GPU, elsewhere). Long prefill rows walk token by token on a GPU,
 # where the chunked rule measured no faster; the rule computes its own convolution and norms
-# in decode steps only, where that measured faster (bench/results); the rule's inputs in one
-# kernel elsewhere are not yet measured.
+# in decode steps only, where that measured faster, and takes them from one kernel in the
+# other steps (bench/results).
 AUTO = ({name: ("pallas", "reference") for name in CHOICES}
-        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference"),
-           "rule_inputs": ("reference", "reference")})
+        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +214,7 @@ def add_kernels_argument(parser) -> None:
         "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "
-        "convolution, SiLU and norms in unfused steps as jnp or one kernel (auto: reference); auto, "
+        "convolution, SiLU and norms in unfused steps as jnp or one kernel; auto, "
         "the default, is Pallas on a GPU (recurrence: fused_decode) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )
