@@ -109,6 +109,8 @@ class Kernels:
         auto = {name: AUTO[name][0 if on_gpu else 1] for name in CHOICES}
         if mesh is not None:
             auto["quantized"] = "reference"
+        if self.recurrence == "reference":  # the rule's jnp form takes its inputs from jnp too
+            auto["rule_inputs"] = "reference"
         return Kernels(**{name: auto[name] if getattr(self, name) == "auto" else getattr(self, name)
                           for name in CHOICES})
 
@@ -214,7 +216,7 @@ def add_kernels_argument(parser) -> None:
         "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "
-        "convolution, SiLU and norms in unfused steps as jnp or one kernel; auto, "
+        "convolution, SiLU and norms in unfused steps as jnp or one kernel (auto beside recurrence=reference: jnp); auto, "
         "the default, is Pallas on a GPU (recurrence: fused_decode) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, runs_interpreted
+from pallas_kernels.common import is_pow2, next_pow2, runs_interpreted
 
 MIN_TILE = 16  # Triton's smallest product tile
 
@@ -134,9 +134,10 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
         return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed)
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
-    if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):
-        raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}); "
-                         "use default_tiling(K, N, block_in).")
+    if (K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k)
+            or tiling.block_rows < MIN_TILE or not is_pow2(tiling.block_rows)):
+        raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}), or its "
+                         f"block_rows is not a power of two of at least {MIN_TILE}; use default_tiling(K, N, block_in).")
     interpret = runs_interpreted(interpret)
     block_m = min(max(next_pow2(T), MIN_TILE), tiling.block_rows)
     padded = -(-T // block_m) * block_m

@@ -24,11 +24,13 @@ dflash_jax.cli.enable_compile_cache = lambda folder: Path(folder)
 
 
 def fast_compile_flags() -> tuple[str, ...]:
-    """XLA flags that compile the suite's programs faster without changing what they compute.
+    """XLA flags that compile the suite's programs faster.
 
     The tiny models run in microseconds and compile in seconds. XLA CPU's code generation at
     optimization level 0 compiles them ~20% faster, and its older loop emitters in place of
-    the fusion emitters ~25% faster again (`bench/LESSONS.md`). The second flag is offered to
+    the fusion emitters ~25% faster again (`bench/LESSONS.md`). Code generation may reorder
+    float operations (by an ulp): a test that compares two programs bit for bit where that
+    matters pins its own flags (test_delta_rule_kernel). The second flag is offered to
     CPU-only installs alone: XLA refuses an unknown flag at start, and a CUDA build of another
     version need not know it."""
     cuda = any((d.metadata["Name"] or "").startswith("jax-cuda") for d in importlib.metadata.distributions())

@@ -107,7 +107,7 @@ def test_a_block_equals_its_tokens_one_at_a_time(kernel):
     fusion emitters, and nothing else: the interpreted kernel's run of 4 tokens keeps the single
     tokens' order of float operations there, and LLVM's optimized code (XLA's default) or the
     older emitters (the suite's other fast-compile flag) reorder it by an ulp."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", f"import test_delta_rule_kernel as t; t.block_equals_its_tokens({kernel!r})"],
                           cwd=HERE, env=env, capture_output=True, text=True, timeout=600)

@@ -79,3 +79,15 @@ def test_gpu_compiled_kernel_matches_the_jnp_inputs():
         got, _ = prepared("pallas", inputs, history, starts, ends)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_the_gpu_takes_the_kernel_unless_the_rule_is_the_reference(monkeypatch):
+    """"auto" means the kernel on a GPU beside the Pallas rules, and jnp beside the jnp rule
+    (the all-jnp path a model the kernels cannot tile falls back to)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert Kernels().resolve().rule_inputs == "pallas"
+    assert Kernels(recurrence="pallas").resolve().rule_inputs == "pallas"
+    assert Kernels(recurrence="reference").resolve().rule_inputs == "reference"
+    assert Kernels(recurrence="reference", rule_inputs="pallas").resolve().rule_inputs == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert Kernels().resolve().rule_inputs == "reference"

@@ -35,9 +35,9 @@ def device_loop(graphs, states, part, carry, inputs, *, iters: int, reps: int, u
     def loop(states, carry, inputs):
         models = models_of(states)
 
-        def body(_, state):
+        def body(_, state):  # a part without outputs (it only updates its carry) is chained by its carry
             carry, outputs = state
-            return part(models, carry, after(inputs, outputs))
+            return part(models, carry, after(inputs, outputs if jax.tree.leaves(outputs) else carry))
 
         init = (carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape))
         return lax.fori_loop(0, iters, body, init, unroll=unroll)
@@ -128,8 +128,9 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
         def layout(models, carry, batch_, layout_args=layout_args):
             return carry, draft_layouts(models[1], page_sizes, tables, batch_, **layout_args)
 
-        def ctx_kv(models, caches, inputs):
-            return write_context_kv(models[1], caches, *inputs), ()
+        def ctx_kv(models, caches, inputs):  # the features first: `harness.after` links the first leaf
+            features_, layouts_ = inputs
+            return write_context_kv(models[1], caches, layouts_, features_), ()
 
         def draft(models, caches, layouts_, num_drafts=num_drafts):
             caches, logits, _ = draft_block(models[0], models[1], caches, tables, layouts_, num_drafts=num_drafts,
@@ -150,7 +151,7 @@ def section_steps(pair, batch: int, context: int, impl: str, opts, rng) -> dict:
 
         parts = {
             "layout": timed(layout, (), verify_batch, small),
-            "ctx_kv": timed(ctx_kv, draft_caches(), (layouts, features), small),
+            "ctx_kv": timed(ctx_kv, draft_caches(), (features, layouts), small),
             "draft": timed(draft, draft_caches(), layouts, big),
             "sample": timed(sample, (), (draft_logits, draft_hidden), small),
             "verify": timed(verify, target_cache(), verify_batch, big),

@@ -6,8 +6,9 @@
 # `profile` (device events per iteration at the first of POINTS), `sweep` (the attention
 # kernel's settings at 32k with the target's and the drafter's heads, SIDES) and `rules`
 # (generate at POINTS with each recurrence in RULES, default "pallas fused_decode fused": the
-# rule's convolution and norms in jnp, in its kernel in one-token steps, in its kernel always;
-# an entry may name more kernels, "fused_decode,rule_inputs=pallas": the other steps' inputs in one kernel;
+# rule's convolution and norms in the rule-inputs kernel on a GPU (jnp with rule_inputs=reference),
+# in the rule's kernel in one-token steps, in it always;
+# an entry may name more kernels, "fused_decode,rule_inputs=reference": the other steps' inputs in jnp;
 # PROFILE_KERNELS=recurrence=fused profiles that form).
 #
 #   OUT=... bash bench/plans/hybrid.sh COMMIT   # POINTS (1x1k,1x8k,1x32k,32x1k), BLOCKS (16,8),
@@ -43,8 +44,8 @@ if [[ $parts == *kernel* ]]; then
         --out "$out/delta_rule.json" > "$out/delta_rule.log" 2>&1
     echo "   rc=$?"; tail -n 24 "$out/delta_rule.log"
 fi
-if [[ $parts == *rules* ]]; then  # the rule's convolution and norms in jnp or in its kernel, one after the other
-    for rule in ${RULES:-pallas fused_decode fused}; do  # a rule may add kernels: fused_decode,rule_inputs=pallas
+if [[ $parts == *rules* ]]; then  # the rule's convolution and norms in their kernel or in the rule's, one after the other
+    for rule in ${RULES:-pallas fused_decode fused}; do  # a rule may add kernels: fused_decode,rule_inputs=reference
         decode "hybrid-$(echo "$rule" | tr ',=' '--')" ${LIMIT:-380} "" --model "$shape" --points "$(big "$points" 1x128)" --kernels "recurrence=$rule" \
             --sections generate --block-sizes "$blocks" --budget-s $(( ${LIMIT:-380} - 60 )) ${POINT_BUDGET:+--point-budget-s $POINT_BUDGET}
     done
