@@ -40,8 +40,8 @@ def fast_compile_flags() -> tuple[str, ...]:
 # Set before any backend starts, so this process, its workers and the commands they run inherit
 # them; the notebooks' kernels drop them (test_notebooks).
 FAST_COMPILE_FLAGS = fast_compile_flags()
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", "")] + [f for f in FAST_COMPILE_FLAGS if f not in os.environ.get("XLA_FLAGS", "")]).strip()
+_given_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_given_flags + [f for f in FAST_COMPILE_FLAGS if f not in _given_flags])
 
 # Most of the suite's time is XLA compiling the same few tiny programs again: in the other
 # pytest-xdist worker, in the next module (whose models have the same shapes), and after
