@@ -92,6 +92,17 @@ def default_tiling(K: int, N: int, block_in: int | None, *, programs: int = 264)
     return Tiling(block_k, block_n, splits)
 
 
+def output_major_tiling(K: int, N: int, block_in: int | None, rows: int) -> Tiling | None:
+    """The default tiling of a weight held [N, K] for a call of `rows` rows: `default_tiling`'s,
+    with 64-column programs up to 16 rows (more programs, more loads in flight; wider ones
+    from 17 rows up, where the weight is read once per block of rows). The splits, which fix
+    each column's summation order, stay those of (K, N), so a row computes alike in any call."""
+    tiling = default_tiling(K, N, block_in)
+    if tiling is None or rows > MIN_TILE:
+        return tiling
+    return dataclasses.replace(tiling, block_n=largest_pow2_divisor(N, 64))
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
             finish: bool, transposed: bool):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -129,11 +140,11 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
     *lead, K = x_TI.shape
     N = values_IO.shape[0 if transposed else 1]
-    tiling = tiling or default_tiling(K, N, block_in)
-    if tiling is None:
-        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed)
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
+    tiling = tiling or (output_major_tiling(K, N, block_in, T) if transposed else default_tiling(K, N, block_in))
+    if tiling is None:
+        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed).reshape(*lead, N)
     if (K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k)
             or tiling.block_rows < MIN_TILE or not is_pow2(tiling.block_rows)):
         raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}), or its "

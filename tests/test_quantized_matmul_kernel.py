@@ -10,7 +10,7 @@ import pytest
 from dflash_jax.kernels import Kernels
 from dflash_jax.quantization import WeightQuantization, quantize
 from pallas_kernels.quantized_matmul import (
-    Tiling, default_tiling, quantized_matmul_pallas, quantized_matmul_reference,
+    Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
 )
 
 
@@ -60,14 +60,17 @@ def test_bfloat16_rows_and_leading_axes():
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("block_in", [None, 128])
-def test_a_row_is_computed_alike_alone_or_in_a_block(block_in):
-    """A verify block's rows equal what single-row calls compute, bit for bit."""
+def test_a_row_is_computed_alike_alone_or_in_a_block(block_in, transposed):
+    """A verify block's rows equal what single-row calls compute, bit for bit (held [N, K],
+    the block of 24 rows takes wider column blocks than one row)."""
     values, scales = weight(1024, 256, "int8", block_in)
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 1024)), jnp.float32)
-    block = quantized_matmul_pallas(x, values, scales, block_in, interpret=True)
-    for i in (0, 7, 15):
-        alone = quantized_matmul_pallas(x[i:i + 1], values, scales, block_in, interpret=True)
+    values = values.T if transposed else values
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(24, 1024)), jnp.float32)
+    block = quantized_matmul_pallas(x, values, scales, block_in, interpret=True, transposed=transposed)
+    for i in (0, 7, 23):
+        alone = quantized_matmul_pallas(x[i:i + 1], values, scales, block_in, interpret=True, transposed=transposed)
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(block[i]))
 
 
@@ -93,6 +96,10 @@ def test_tilings():
     assert default_tiling(4096, 24576, 128) == Tiling(128, 128, 1)
     assert default_tiling(576, 1536, 128) == Tiling(64, 128, 1)  # nine steps: no even split
     assert default_tiling(100, 128, None) is None  # no 16-row step divides 100: the reference computes it
+    # held [N, K]: 64 columns a program up to 16 rows, the splits of (K, N) at any rows
+    assert output_major_tiling(4096, 24576, 128, 16) == Tiling(128, 64, 1)
+    assert output_major_tiling(12288, 4096, 128, 1) == Tiling(128, 64, 8)
+    assert output_major_tiling(12288, 4096, 128, 17) == default_tiling(12288, 4096, 128)
     values, scales = weight(100, 128, "int8", None)
     x = jnp.ones((2, 100), jnp.float32)
     np.testing.assert_array_equal(np.asarray(quantized_matmul_pallas(x, values, scales, None, interpret=True)),
