@@ -52,6 +52,11 @@ QWEN3_30B_A3B_DRAFTER = dict(
     QWEN3_8B_DRAFTER, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
     num_target_layers=48, dflash_config=dict(mask_token_id=151669, target_layer_ids=[1, 12, 23, 34, 45], block_size=16),
 )
+# Its first 24 layers (half the bytes): a profile of the step's per-layer kernels fits 80 GB.
+QWEN3_30B_A3B_HALF = dict(QWEN3_30B_A3B, num_hidden_layers=24)
+QWEN3_30B_A3B_HALF_DRAFTER = dict(QWEN3_30B_A3B_DRAFTER, num_target_layers=24,
+                                  dflash_config=dict(QWEN3_30B_A3B_DRAFTER["dflash_config"],
+                                                     target_layer_ids=[1, 6, 11, 17, 22]))
 GPT_OSS_20B = dict(
     architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
     num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
@@ -130,6 +135,8 @@ MODELS = {
     "smollm2-135m": ModelShapes("SmolLM2-135M shape", SMOLLM2_135M, SMOLLM2_135M_DRAFTER),
     "smollm2-135m-dflash2": ModelShapes("SmolLM2-135M shape, DFlash 2 drafter", SMOLLM2_135M, SMOLLM2_135M_DFLASH2_DRAFTER),
     "qwen3-30b-a3b": ModelShapes("Qwen3-30B-A3B shape", QWEN3_30B_A3B, QWEN3_30B_A3B_DRAFTER),
+    "qwen3-30b-a3b-24-layers": ModelShapes("Qwen3-30B-A3B shape, 24 of its 48 layers", QWEN3_30B_A3B_HALF,
+                                           QWEN3_30B_A3B_HALF_DRAFTER),
     "gpt-oss-20b": ModelShapes("gpt-oss-20b shape", GPT_OSS_20B, GPT_OSS_20B_DRAFTER),
     "small": ModelShapes("small CPU shapes", SMALL, SMALL_DRAFTER),
     "small-dflash2": ModelShapes("small CPU shapes, DFlash 2 drafter", SMALL, SMALL_DFLASH2_DRAFTER),
