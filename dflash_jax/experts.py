@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 from dflash_jax.config import ExpertsConfig
 from dflash_jax.kernels import REFERENCE, Kernels
 from dflash_jax.layers import MLP, apply_linear, dot_general, linear
+from dflash_jax.quantization import WeightQuantization, dequantize
 from dflash_jax.sharding import MODEL, tensor_parallel_size
 from pallas_kernels.grouped_matmul import expert_tiles, grouped_tiling, tile_rows
 from pallas_kernels.router import route_reference
@@ -57,10 +58,13 @@ def swiglu(pairs, experts: ExpertsConfig):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * experts.swiglu_alpha))
 
 
-def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul=None):
+def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul=None,
+                    block_in: int | None = None):
     """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
     "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
-    "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]); `weights`, `expert_ids`
+    "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]; 8-bit experts: with
+    "gate_up_scale" and "down_scale" [experts, rows, columns], a float32 scale per column and
+    block of `block_in` input rows, or per column with `block_in` None); `weights`, `expert_ids`
     [T, top_k]; an id equal to the number of experts (one another shard holds) adds nothing.
     `grouped_matmul`: None for XLA's `ragged_dot` over the pairs sorted by expert, or
     `grouped_matmul_pallas`'s signature over the pairs laid out in tiles of one expert (the
@@ -68,16 +72,17 @@ def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsCon
     Usable under `vmap` (the trainer maps the target over a batch of sequences): neither
     product has a batching rule, but the product is token by token, so a batch of token sets
     is one set of all their tokens."""
-    return _token_wise(experts, grouped_matmul)(x_TD, params, weights, expert_ids)
+    return _token_wise(experts, grouped_matmul, block_in)(x_TD, params, weights, expert_ids)
 
 
 @functools.lru_cache(maxsize=None)
-def _token_wise(experts: ExpertsConfig, grouped_matmul):
+def _token_wise(experts: ExpertsConfig, grouped_matmul, block_in: int | None):
     @jax.custom_batching.custom_vmap
     def product(x_TD, params, weights, expert_ids):
-        if grouped_matmul is None or not _tiles_fit(params, expert_ids.shape[1]):
-            return sorted_pairs_product(x_TD, params, weights, expert_ids, experts)
-        return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul)
+        if grouped_matmul is None or not _tiles_fit(params, expert_ids.shape[1], block_in):
+            return sorted_pairs_product(x_TD, float_experts(params, block_in, x_TD.dtype), weights, expert_ids,
+                                        experts)
+        return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul, block_in)
 
     @product.def_vmap
     def batched(axis_size, in_batched, x_TD, params, weights, expert_ids):
@@ -91,11 +96,23 @@ def _token_wise(experts: ExpertsConfig, grouped_matmul):
     return product
 
 
-def _tiles_fit(params: dict, top_k: int) -> bool:
+def _tiles_fit(params: dict, top_k: int, block_in: int | None) -> bool:
     """Whether the grouped kernel takes both of the experts' matrices: a tile divides each,
     and their flattened rows stay within int32 offsets (else the sorted pairs' product)."""
-    return all(grouped_tiling(*params[name].shape[1:], top_k) is not None and params[name].size < 2**31
+    return all(grouped_tiling(*params[name].shape[1:], top_k, block_in) is not None and params[name].size < 2**31
                for name in ("gate_up", "down"))
+
+
+def float_experts(params: dict, block_in: int | None, dtype) -> dict:
+    """`params` with 8-bit experts' matrices dequantized to `dtype` (what XLA's `ragged_dot`
+    multiplies; every expert is read by it anyway), float ones as they are."""
+    if "gate_up_scale" not in params:
+        return params
+    params = dict(params)
+    for name in ("gate_up", "down"):
+        values, scales = params[name], params.pop(f"{name}_scale")
+        params[name] = jax.vmap(lambda v, s: dequantize(v, s, block_in, dtype))(values, scales)
+    return params
 
 
 def _weighted_sum(out_PD, weights, position_P, T: int, top_k: int, dtype):
@@ -131,9 +148,11 @@ def sorted_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
     return _weighted_sum(out, weights, jnp.zeros_like(order).at[order].set(position), T, top_k, x_TD.dtype)
 
 
-def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul):
+def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul,
+                         block_in: int | None):
     """The pairs in tiles of one expert each (`expert_tiles`), both products by
-    `grouped_matmul`: only the routed experts' matrices are read."""
+    `grouped_matmul`: only the routed experts' matrices are read (8-bit ones converted in the
+    kernel)."""
     T, top_k = expert_ids.shape
     num_experts = params["gate_up"].shape[0]
     ids = expert_ids.reshape(-1)
@@ -141,7 +160,8 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
     G, M = tiles.pair_GM.shape
 
     def product(rows, name):
-        out = grouped_matmul(rows, params[name], tiles, top_k=top_k)
+        out = grouped_matmul(rows, params[name], tiles, top_k=top_k, scales_ERN=params.get(f"{name}_scale"),
+                             block_in=block_in)
         if experts.bias:
             out = out + params[f"{name}_bias"][tiles.expert_G][:, None, :].astype(jnp.float32)
         return out.astype(x_TD.dtype)
@@ -153,24 +173,36 @@ def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
 
 class RoutedExperts(nnx.Module):
     """A decoder layer's sparse feed-forward: the router `[D, E]`, each expert's gate and up
-    as one matrix `[E, D, 2I]` and its down `[E, I, D]` (gpt-oss: with biases)."""
+    as one matrix `[E, D, 2I]` and its down `[E, I, D]` (gpt-oss: with biases). With a
+    `quantization`, the experts' matrices are 8-bit values with float32 scales
+    (`gate_up_scale` [E, rows, 2I], `down_scale` [E, rows, D]) and the shared expert's products
+    8-bit too; the router stays float."""
 
-    def __init__(self, hidden: int, experts: ExpertsConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, experts: ExpertsConfig, *, dtype, rngs: nnx.Rngs,
+                 quantization: WeightQuantization | None = None):
         self.experts = experts
         self.mesh = None  # set where the model is placed on a mesh: the experts are split over "model"
+        self.block_in = quantization.block_in if quantization is not None else None
         E, inter = experts.num_experts, experts.intermediate_size
         self.router = linear(hidden, E, ("embed", None), use_bias=experts.bias, dtype=dtype, rngs=rngs)
         init = nnx.initializers.normal(0.02)
 
-        def param(*shape):  # split over "model" by expert
-            return nnx.Param(init(rngs.params(), (E, *shape), dtype), out_sharding=("experts",) + (None,) * len(shape),
-                             eager_sharding=False)
+        def param(*shape, stored=None):  # split over "model" by expert; `stored`: 8-bit values or scales, zeros
+            value = init(rngs.params(), (E, *shape), dtype) if stored is None else jnp.zeros((E, *shape), stored)
+            return nnx.Param(value, out_sharding=("experts",) + (None,) * len(shape), eager_sharding=False)
 
-        self.gate_up, self.down = param(hidden, 2 * inter), param(inter, hidden)
+        if quantization is None:
+            self.gate_up, self.down = param(hidden, 2 * inter), param(inter, hidden)
+        else:
+            self.gate_up = param(hidden, 2 * inter, stored=quantization.dtype)
+            self.gate_up_scale = param(quantization.scale_rows(hidden), 2 * inter, stored=jnp.float32)
+            self.down = param(inter, hidden, stored=quantization.dtype)
+            self.down_scale = param(quantization.scale_rows(inter), hidden, stored=jnp.float32)
         if experts.bias:
             self.gate_up_bias, self.down_bias = param(2 * inter), param(hidden)
         if experts.shared_intermediate_size:  # Qwen3.5-MoE: a dense expert every token takes, gated
-            self.shared_expert = MLP(hidden, experts.shared_intermediate_size, use_bias=False, dtype=dtype, rngs=rngs)
+            self.shared_expert = MLP(hidden, experts.shared_intermediate_size, use_bias=False, dtype=dtype, rngs=rngs,
+                                     quantization=quantization)
             self.shared_expert_gate = linear(hidden, 1, ("embed", None), use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_TD, kernels: Kernels = REFERENCE):
@@ -188,19 +220,20 @@ class RoutedExperts(nnx.Module):
             router_logits = router_logits + self.router.bias[...]
         router = kernels.route if self.mesh is None else route_reference  # on a mesh XLA partitions the jnp form
         weights, expert_ids = route(router_logits, self.experts, x_TD.dtype, router)
-        names = ("gate_up", "down", "gate_up_bias", "down_bias") if self.experts.bias else ("gate_up", "down")
-        params = {name: getattr(self, name)[...] for name in names}
+        names = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale")
+        params = {name: getattr(self, name)[...] for name in names if hasattr(self, name)}
         if self.mesh is None:
-            return experts_product(x_TD, params, weights, expert_ids, self.experts, kernels.grouped_matmul)
+            return experts_product(x_TD, params, weights, expert_ids, self.experts, kernels.grouped_matmul,
+                                   self.block_in)
         if self.experts.num_experts % tensor_parallel_size(self.mesh):  # XLA partitions the reference, not a kernel
-            return experts_product(x_TD, params, weights, expert_ids, self.experts)
+            return experts_product(x_TD, params, weights, expert_ids, self.experts, block_in=self.block_in)
 
         def local(x_TD, params, weights, expert_ids):  # this shard's experts; the others' pairs dropped
             held = params["gate_up"].shape[0]
             ids = expert_ids - jax.lax.axis_index(MODEL) * held
             ids = jnp.where((ids >= 0) & (ids < held), ids, held)
-            return jax.lax.psum(experts_product(x_TD, params, weights, ids, self.experts, kernels.grouped_matmul),
-                                MODEL)
+            return jax.lax.psum(experts_product(x_TD, params, weights, ids, self.experts, kernels.grouped_matmul,
+                                                self.block_in), MODEL)
 
         split, whole = PartitionSpec(MODEL), PartitionSpec()
         return jax.shard_map(local, mesh=self.mesh, in_specs=(whole, split, whole, whole), out_specs=whole,

@@ -7,7 +7,9 @@ step of a 128-expert model pays for all 128 while its tokens use 8. Here the row
 tiles of `block_m` rows that all go to one expert (`expert_tiles` lays the (token, expert)
 pairs out so); each program multiplies one tile by `block_n` columns of its expert's matrix,
 and a tile no pair fills does no work. The experts' matrices are read once per tile, so a
-step reads the experts it routes to and no others.
+step reads the experts it routes to and no others. 8-bit experts (int8 or e4m3 values with
+float32 scales, as `quantized_matmul` takes them) are converted to the rows' dtype in
+registers and scaled per block of input rows or per column.
 
 The tiling (`grouped_tiling`) depends on the matrix's shape and the model's top k, never on
 the number of rows; the rows per tile and the layout do (`tile_rows`, `pairs_tile_alone`),
@@ -101,27 +103,38 @@ def tile_inputs(x, tiles: ExpertTiles, top_k: int):
     return jnp.take(x, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
 
 
-def grouped_matmul_reference(x, weights_EKN, tiles: ExpertTiles, *, top_k: int):
+def grouped_matmul_reference(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, scales_ERN=None,
+                             block_in: int | None = None):
     """x_GMK[g] @ weights_EKN[expert_G[g]] in float32, zeros for unused tiles (jnp: each
     tile's matrix gathered); `x` the tiles' rows [G, M, K] or the token rows [T, K] each
-    pair's tile row takes (`tile_inputs`, with the pairs per token `top_k`)."""
-    out = jnp.einsum("gmk,gkn->gmn", tile_inputs(x, tiles, top_k), weights_EKN[tiles.expert_G],
-                     preferred_element_type=jnp.float32)
+    pair's tile row takes (`tile_inputs`, with the pairs per token `top_k`). 8-bit experts:
+    `scales_ERN` [E, R, N] float32, a scale per column and block of `block_in` input rows (R =
+    ceil(K / block_in)), or per column (R = 1, `block_in` None); the gathered matrices are
+    dequantized in float32."""
+    weights = weights_EKN[tiles.expert_G]
+    if scales_ERN is not None:
+        K = weights_EKN.shape[1]
+        scales = scales_ERN[tiles.expert_G]
+        scales = scales if block_in is None else jnp.repeat(scales, block_in, axis=1)[:, :K]
+        weights = weights.astype(jnp.float32) * scales
+    out = jnp.einsum("gmk,gkn->gmn", tile_inputs(x, tiles, top_k), weights, preferred_element_type=jnp.float32)
     return jnp.where(tiles.used_G[:, None, None], out, 0)
 
 
-def grouped_tiling(K: int, N: int, top_k: int) -> Tiling | None:
-    """The tiling for experts' [K, N] matrices: `default_tiling`'s, with the column blocks
-    and row splits sized to fill the GPU at one decode token (top_k tiles)."""
-    return default_tiling(K, N, None, programs=max(1, 264 // top_k))
+def grouped_tiling(K: int, N: int, top_k: int, block_in: int | None = None) -> Tiling | None:
+    """The tiling for experts' [K, N] matrices (8-bit ones scaled per `block_in` input rows:
+    steps within a block): `default_tiling`'s, with the column blocks and row splits sized to
+    fill the GPU at one decode token (top_k tiles)."""
+    return default_tiling(K, N, block_in, programs=max(1, 264 // top_k))
 
 
-def _kernel(x_ref, pair_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tiling, K: int, steps: int,
-            token_rows: int, top_k: int):
+def _kernel(x_ref, pair_ref, w_ref, *refs, tiling: Tiling, K: int, steps: int, token_rows: int, top_k: int,
+            scale_rows: int, block_in: int | None):
+    s_ref, expert_ref, used_ref, o_ref = refs if scale_rows else (None, *refs)
     col_block, split, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     cols = pl.ds(col_block * bn, bn)
-    first_row = expert_ref[g] * K
+    first_row, first_scale = expert_ref[g] * K, expert_ref[g] * scale_rows
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # float32 stays float32, not TF32
     if token_rows:  # each tile row's token, gathered here (an empty row, pair P, reads nothing: zeros)
         pairs = pair_ref[g, :]
@@ -134,39 +147,49 @@ def _kernel(x_ref, pair_ref, w_ref, expert_ref, used_ref, o_ref, *, tiling: Tili
             x = plgpu.load(x_ref.at[token[:, None], (k0 + jnp.arange(bk))[None, :]], mask=filled[:, None], other=0)
         else:
             x = x_ref[g, :, pl.ds(k0, bk)]
-        w = w_ref[pl.ds(first_row + k0, bk), cols]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+        w = w_ref[pl.ds(first_row + k0, bk), cols].astype(x.dtype)  # 8-bit values: exact in any float dtype
+        product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        if block_in is not None:
+            product = product * s_ref[pl.ds(first_scale + k0 // block_in, 1), cols]
+        return acc + product
 
     trips = used_ref[g] * steps  # an unused tile: no steps
     acc = lax.fori_loop(0, trips, step, jnp.zeros((pair_ref.shape[1], bn), jnp.float32))
+    if scale_rows and block_in is None:
+        acc = acc * s_ref[pl.ds(first_scale, 1), cols]
     o_ref[split, g, :, cols] = acc
 
 
-def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, tiling: Tiling | None = None,
-                          interpret: bool | None = None):
+def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, scales_ERN=None,
+                          block_in: int | None = None, tiling: Tiling | None = None, interpret: bool | None = None):
     """`grouped_matmul_reference` (same arguments and result) as one kernel reading only the
     used tiles' experts; token rows [T, K] are gathered into the tiles by the kernel itself
-    (no laid-out copy). A matrix no tile fits takes the reference. top_k: the pairs per token
+    (no laid-out copy). 8-bit experts (`scales_ERN`) are converted to the rows' dtype in
+    registers, each step's product scaled per block of `block_in` input rows, or the sum
+    per column. A matrix no tile fits takes the reference. top_k: the pairs per token
     (the tiling's assumed tiles at one token). interpret: None runs compiled on a GPU backend
     and in interpret mode elsewhere."""
     G, M = tiles.pair_GM.shape
     K = x.shape[-1]
     E, _, N = weights_EKN.shape
-    tiling = tiling or grouped_tiling(K, N, top_k)
+    tiling = tiling or grouped_tiling(K, N, top_k, block_in)
     if tiling is None:
-        return grouped_matmul_reference(x, weights_EKN, tiles, top_k=top_k)
-    if K % (tiling.block_k * tiling.splits) or N % tiling.block_n:
-        raise ValueError(f"tiling {tiling} does not divide the experts' matrices [{K}, {N}]; "
-                         "use grouped_tiling(K, N, top_k).")
+        return grouped_matmul_reference(x, weights_EKN, tiles, top_k=top_k, scales_ERN=scales_ERN, block_in=block_in)
+    if K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k):
+        raise ValueError(f"tiling {tiling} does not divide the experts' matrices [{K}, {N}] (block_in {block_in}); "
+                         "use grouped_tiling(K, N, top_k, block_in).")
     interpret = runs_interpreted(interpret)
+    scale_rows = 0 if scales_ERN is None else scales_ERN.shape[1]
+    scales = () if scales_ERN is None else (scales_ERN.reshape(E * scale_rows, N),)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, K=K, steps=K // tiling.block_k // tiling.splits,
-                          token_rows=x.shape[0] if x.ndim == 2 else 0, top_k=top_k),
+                          token_rows=x.shape[0] if x.ndim == 2 else 0, top_k=top_k, scale_rows=scale_rows,
+                          block_in=block_in if scale_rows else None),
         out_shape=jax.ShapeDtypeStruct((tiling.splits, G, M, N), jnp.float32),
         grid=(N // tiling.block_n, tiling.splits, G),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="grouped_matmul",
-    )(x, tiles.pair_GM, weights_EKN.reshape(E * K, N), tiles.expert_G, tiles.used_G.astype(jnp.int32))
+    )(x, tiles.pair_GM, weights_EKN.reshape(E * K, N), *scales, tiles.expert_G, tiles.used_G.astype(jnp.int32))
     return out[0] if tiling.splits == 1 else out.sum(axis=0)

@@ -209,7 +209,8 @@ def quantized() -> dict:
     """Greedy tokens of the Qwen3 target with 8-bit weights (int8 per output channel; fp8 per
     channel and block of 16 input rows) at TP 1 and 4, and its autoregressive tokens at TP 1;
     and at TP 4 from a copy holding its kernels [out, in] (one GPU's layout), placed by
-    `shard_model`; a Qwen3.5 target's (int8 per 16 rows) at TP 2 and autoregressive at TP 1."""
+    `shard_model`; a Qwen3.5 target's and a Qwen3-MoE target's (int8 per 16 rows) at TP 2 and
+    autoregressive at TP 1."""
     from dflash_jax.models import quantize_model
     from dflash_jax.placement import shard_model
     from dflash_jax.quantization import WeightQuantization, to_output_major
@@ -233,19 +234,28 @@ def quantized() -> dict:
     out["qwen3_5/ar"] = generate_autoregressive(target, PROMPTS, max_new_tokens=10).token_ids
     placed = shard_model(target, make_mesh(2, 1))
     out["qwen3_5/2"] = generate(placed, models(hybrid, 2)[1], PROMPTS, max_new_tokens=10).token_ids
+    moe = parse_config(QWEN3_MOE)  # its experts 8-bit, their scales split over "model" with them
+    target = quantize_model(models(moe, 1)[0], WeightQuantization("int8", 16))
+    out["moe/ar"] = generate_autoregressive(target, PROMPTS, max_new_tokens=10).token_ids
+    placed = shard_model(target, make_mesh(2, 1))
+    out["moe/2"] = generate(placed, models(moe, 2)[1], PROMPTS, max_new_tokens=10).token_ids
+    out["moe/2/scale-spec"] = list(placed.layers[0].mlp.gate_up_scale[...].sharding.spec)
     return out
+
+
+QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
+    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+)
 
 
 def moe() -> dict:
     """Greedy tokens of a Qwen3-MoE target (8 experts, top 2; layer 1 dense) at TP 1, 2 and 4
     (experts split over "model") and its autoregressive tokens at TP 1; where its experts live;
     the same for a gpt-oss target (a windowed layer, sinks, biases) at TP 1 and 4."""
-    cfg = parse_config(dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-    ))
+    cfg = parse_config(QWEN3_MOE)
     gpt_oss = parse_config(dict(
         architectures=["GptOssForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=32,
         num_local_experts=8, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],

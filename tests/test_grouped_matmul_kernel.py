@@ -78,26 +78,58 @@ def test_kernel_computes_its_reference(tiling, dtype):
                                   grouped_matmul_reference(laid_out, weights, tiles, top_k=top_k))
 
 
+@pytest.mark.parametrize("weights,block_in", [("int8", 32), ("int8", None), ("fp8", 32)])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_kernel_computes_its_reference_over_8_bit_experts(weights, block_in, tokens):
+    """8-bit experts (values and float32 scales per column and block of input rows): the kernel
+    over token rows against the dequantized reference, and against each expert's own
+    dequantized float matrix."""
+    from dflash_jax.quantization import WeightQuantization, dequantize, quantize
+
+    E, K, N, top_k = 6, 64, 48, 2
+    ids = routed_ids(tokens, E, top_k, seed=3).reshape(-1)
+    tiles = expert_tiles(jnp.asarray(ids), E, 16, top_k)
+    key_x, key_w = jax.random.split(jax.random.key(1))
+    floats = jax.random.normal(key_w, (E, K, N), jnp.float32)
+    values, scales = jax.vmap(lambda w: quantize(w, WeightQuantization(weights, block_in)))(floats)
+    x = jax.random.normal(key_x, (tokens, K), jnp.float32)
+    got = grouped_matmul_pallas(x, values, tiles, top_k=top_k, scales_ERN=scales, block_in=block_in,
+                                tiling=Tiling(16, 16, 2))
+    with jax.default_matmul_precision("highest"):
+        want = grouped_matmul_reference(x, values, tiles, top_k=top_k, scales_ERN=scales, block_in=block_in)
+        dense = jax.vmap(lambda v, s: dequantize(v, s, block_in, jnp.float32))(values, scales)
+        floated = grouped_matmul_reference(x, dense, tiles, top_k=top_k)
+    assert values.dtype.itemsize == 1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(want), np.asarray(floated), rtol=1e-5, atol=1e-4)
+    assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()
+
+
+@pytest.mark.parametrize("eight_bit", [False, True])
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("matrix", ["gate_up", "down"])
-def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix):
+def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(tokens, matrix, eight_bit):
     """Qwen3-30B-A3B's experts (128, top 8; gate and up [2048, 1536] from token rows the kernel
     gathers, down [768, 2048] from rows laid out in tiles) at one token (a tile per pair) and 16
-    (pairs grouped by expert) lower for CUDA to one Triton call."""
+    (pairs grouped by expert), bf16 or FP8 in 128 x 128 blocks (the published layout), lower
+    for CUDA to one Triton call."""
     from conftest import triton_calls_for_cuda
 
     E, top_k = 128, 8
     K, N = {"gate_up": (2048, 1536), "down": (768, 2048)}[matrix]
 
-    def kernel(x_TK, ids_P, weights_EKN):
+    def kernel(x_TK, ids_P, weights_EKN, *scales):
         P = ids_P.shape[0]
         tiles = expert_tiles(ids_P, E, tile_rows(P, E), top_k)
         if matrix == "down":  # laid out in tiles (empty rows: zeros)
             x_TK = jnp.take(x_TK, tiles.pair_GM // top_k, axis=0, mode="fill", fill_value=0)
-        return grouped_matmul_pallas(x_TK, weights_EKN, tiles, top_k=top_k, interpret=False)
+        return grouped_matmul_pallas(x_TK, weights_EKN, tiles, top_k=top_k, interpret=False,
+                                     scales_ERN=scales[0] if scales else None, block_in=128 if scales else None)
 
     arrays = [jax.ShapeDtypeStruct((tokens, K), jnp.bfloat16), jax.ShapeDtypeStruct((tokens * top_k,), jnp.int32),
-              jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)]
+              jax.ShapeDtypeStruct((E, K, N), jnp.float8_e4m3fn if eight_bit else jnp.bfloat16)]
+    if eight_bit:
+        arrays.append(jax.ShapeDtypeStruct((E, K // 128, N), jnp.float32))
     assert triton_calls_for_cuda(kernel, *arrays) == 1
 
 

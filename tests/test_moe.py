@@ -13,7 +13,8 @@ import torch
 import transformers
 
 import dflash_jax
-from conftest import assert_greedy_dflash_exact, converted_pair, favour_two_tokens, randomize_norms, rel_err
+from conftest import (assert_greedy_dflash_exact, converted_pair, engine_outputs, favour_two_tokens, randomize_norms,
+                      rel_err)
 from dflash_jax.cli import main
 from dflash_jax.config import ConfigError, parse_config
 from dflash_jax.formats.export_hf import export_hf
@@ -123,23 +124,29 @@ def test_export_gives_the_checkpoint_back(moe, tmp_path):
     ({"num_experts_per_tok": 9}, "num_experts_per_tok must be an integer in \\[1, num_experts = 8\\]"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
     ({"moe_intermediate_size": None}, "config.json has no 'moe_intermediate_size'"),
-    ({"quantization_config": {"quant_method": "dflash_jax", "weights": "int8", "block_in": 128}},
-     "8-bit mixture-of-experts targets are not supported yet"),
 ])
 def test_malformed_configs_are_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(raw_config(**change))
 
 
+def experts_dtypes(folder) -> set[str]:
+    """The dtypes of the sparse layers' experts in a converted folder, as orbax wrote them."""
+    import orbax.checkpoint as ocp
+
+    params = ocp.StandardCheckpointer().restore((folder / "params").absolute())
+    return {str(np.dtype(params["layers"][layer]["mlp"][name].dtype)) for layer in ("0", "2")
+            for name in ("gate_up", "down")}
+
+
 @pytest.mark.parametrize("layout", ["qwen", "compressed-tensors"])
-def test_a_published_fp8_moe_checkpoint_loads_as_its_dequantized_float_model(moe, tmp_path, layout):
+def test_a_published_fp8_moe_checkpoint_stays_8_bit(moe, tmp_path, layout):
     """Every projection in e4m3, the experts' included, with Qwen's block `weight_scale_inv` or
     compressed-tensors' per-channel `weight_scale`, the router and LM head in float (as the
-    published MoE FP8 checkpoints are): loaded and converted as the float model of its
-    dequantized weights (transformers' logits from those weights), the converted folder
-    float, greedy DFlash on it exact."""
-    import jax
-    import orbax.checkpoint as ocp
+    published MoE FP8 checkpoints are): loaded and converted with the experts' values and scales
+    kept 8-bit, computing transformers' logits of the dequantized weights; greedy DFlash on it
+    equals its autoregressive decoding, through the grouped-expert kernel too; a damaged expert
+    tensor is refused by name and nothing is written."""
     from safetensors.torch import load_file, save_file
 
     from conftest import write_published_fp8
@@ -153,28 +160,53 @@ def test_a_published_fp8_moe_checkpoint_loads_as_its_dequantized_float_model(moe
     with torch.no_grad():
         want = reference(torch.tensor(IDS)[None]).logits[0].numpy()
     convert_checkpoint(tmp_path / "fp8", tmp_path / "converted")
-    stored = ocp.StandardCheckpointer().restore((tmp_path / "converted" / "params").absolute())
-    assert {str(np.dtype(x.dtype)) for x in jax.tree.leaves(stored)} == {"float32"}
-    assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert experts_dtypes(tmp_path / "converted") == {"float8_e4m3fn"}
     converted = dflash_jax.load_target(tmp_path / "converted")
     for target in (converted, dflash_jax.load_target(tmp_path / "fp8")):
-        assert target.cfg.quantization is None
+        assert target.cfg.quantization is not None and target.layers[0].mlp.gate_up.dtype == np.dtype("float8_e4m3fn")
         assert rel_err(dflash_jax.target_forward(target, IDS)[0], want) <= 1e-5
     ar = dflash_jax.generate_autoregressive(converted, PROMPTS, max_new_tokens=12)
     assert dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4).token_ids == ar.token_ids
+    pallas = dflash_jax.Kernels(experts="pallas")
+    assert rel_err(dflash_jax.target_forward(converted, IDS, kernels=pallas)[0], want) <= 1e-5
+    spec = dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4, kernels=pallas)
+    assert spec.token_ids == dflash_jax.generate_autoregressive(converted, PROMPTS, max_new_tokens=12,
+                                                                kernels=pallas).token_ids
     damaged = "model.layers.0.mlp.experts.3.down_proj.weight"
     save_file({**tensors, damaged: tensors[damaged].float()}, tmp_path / "fp8" / "model.safetensors")
-    with pytest.raises(ConversionError, match=f"{damaged}' is float32 with a weight_scale"):
+    with pytest.raises(ConversionError, match=f"{damaged}' is float32, not the float8_e4m3fn values"):
         convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
     scale = next(name for name in tensors if name.startswith(damaged.removesuffix("weight")) and name != damaged)
     save_file({k: v for k, v in tensors.items() if k != scale}, tmp_path / "fp8" / "model.safetensors")
-    with pytest.raises(ConversionError, match=f"{damaged}' is float8_e4m3fn but has no weight_scale"):
+    with pytest.raises(ConversionError, match=f"missing tensor '{scale}'"):
         convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
     assert not (tmp_path / "damaged").exists()
 
 
-def test_quantizing_a_moe_target_is_refused_and_writes_nothing(moe, tmp_path, capsys):
-    _, folder, _, _ = moe
-    assert main(["convert", folder, str(tmp_path / "q"), "--quantize", "int8"]) == 2
-    assert "8-bit mixture-of-experts targets are not supported yet" in capsys.readouterr().err
-    assert not (tmp_path / "q").exists()
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_convert_quantize_keeps_a_moe_target_8_bit_and_decodes_exactly(moe, tmp_path, weights):
+    """`convert --quantize` on a MoE target: its experts (each alone) and attention products
+    stored 8-bit, logits those of the float model holding the dequantized weights and near the
+    float original's; greedy DFlash equals autoregressive decoding (some drafts accepted, some
+    not), in `generate`, through the grouped-expert kernel, and in the Engine."""
+    from test_quantization import dequantized
+
+    hf, folder, _, drafter = moe
+    assert main(["convert", folder, str(tmp_path / "q"), "--quantize", weights, "--quantize-block", "32"]) == 0
+    assert experts_dtypes(tmp_path / "q") == {"int8" if weights == "int8" else "float8_e4m3fn"}
+    target = dflash_jax.load_target(tmp_path / "q")
+    assert target.layers[0].mlp.gate_up_scale.shape == (8, 2, 64)  # 64 input rows in blocks of 32
+    logits = np.asarray(dflash_jax.target_forward(target, IDS)[0])
+    assert rel_err(logits, dflash_jax.target_forward(dequantized(target), IDS)[0]) <= 1e-5
+    with torch.no_grad():
+        assert rel_err(logits, hf(torch.tensor(IDS)[None]).logits[0].numpy()) <= (0.03 if weights == "int8" else 0.1)
+    ar = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12)
+    spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4)
+    assert spec.token_ids == ar.token_ids
+    assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)
+    pallas = dflash_jax.Kernels(experts="pallas")
+    assert rel_err(dflash_jax.target_forward(target, IDS, kernels=pallas)[0], logits) <= 1e-5
+    assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4,
+                               kernels=pallas).token_ids == ar.token_ids
+    if weights == "int8":
+        assert engine_outputs(target, drafter, PROMPTS, 12) == ar.token_ids

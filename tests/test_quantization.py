@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import dflash_jax
-from conftest import drafter_config_dict, make_zlab_drafter, rel_err, save_hf, write_published_fp8
+from conftest import drafter_config_dict, engine_outputs, make_zlab_drafter, rel_err, save_hf, write_published_fp8
 from dflash_jax.checkpoint import save_checkpoint
 from dflash_jax.config import ConfigError
 from dflash_jax.formats.export_hf import export_hf
@@ -46,16 +46,23 @@ def logits_of(target):
 
 
 def dequantized(target):
-    """A float target whose products hold `target`'s 8-bit weights dequantized (the reference)."""
+    """A float target whose products (routed experts too) hold `target`'s 8-bit weights
+    dequantized (the reference)."""
     params = jax.device_get(params_of(target))
 
+    block_in = target.cfg.quantization.block_in
+
     def walk(tree):
-        for key, value in tree.items():
+        for key in list(tree):
+            value = tree[key]
             if isinstance(value, dict) and "scale" in value:
-                value["kernel"] = np.asarray(dequantize(value.pop("kernel"), value.pop("scale"),
-                                                        target.cfg.quantization.block_in, np.float32))
+                value["kernel"] = np.asarray(dequantize(value.pop("kernel"), value.pop("scale"), block_in, np.float32))
             elif isinstance(value, dict):
                 walk(value)
+            elif key.endswith("_scale"):  # routed experts [E, in, out], each expert's own scales
+                name = key.removesuffix("_scale")
+                tree[name] = np.asarray(jax.vmap(lambda v, s: dequantize(v, s, block_in, np.float32))(
+                    tree[name], tree.pop(key)))
 
     walk(params)
     cfg = dataclasses.replace(target.cfg, quantization=None)
@@ -123,11 +130,7 @@ def test_convert_quantize_keeps_8_bit_weights_and_decodes_exactly(float_pair, tm
     assert rel_err(np.asarray(dflash_jax.target_forward(target, IDS, kernels=pallas)[0]), logits) <= 1e-5
     assert generate(target, drafter, PROMPTS, max_new_tokens=16, block_size=4, kernels=pallas).token_ids == ar.token_ids
     if weights == "int8":
-        engine = dflash_jax.Engine(target, drafter, max_num_reqs=2, max_num_tokens=16, block_size=4)
-        ids = [engine.add_request(p, dflash_jax.SamplingParams(max_new_tokens=16)) for p in PROMPTS]
-        while engine.has_unfinished():
-            engine.step()
-        assert [engine.output(i) for i in ids] == ar.token_ids
+        assert engine_outputs(target, drafter, PROMPTS, 16) == ar.token_ids
         with pytest.raises(ValueError, match="export writes float HF checkpoints only"):
             export_hf(target, tmp_path / "exported")
 

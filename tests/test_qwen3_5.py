@@ -505,11 +505,11 @@ def moe_pair(tmp_path_factory):
     config = drafter_config_dict(hf.config.to_dict(), dflash_config={"mask_token_id": 95, "block_size": 4,
                                                                     "target_layer_ids": [0, 2]})
     drafter = dflash_jax.load_drafter(save_hf(make_zlab_drafter(config, seed=7), tmp / "drafter", config))
-    return hf, dflash_jax.load_target(tmp / "converted"), drafter
+    return hf, dflash_jax.load_target(tmp / "converted"), drafter, tmp / "hf"
 
 
 def test_the_moe_variant_matches_transformers(moe_pair):
-    hf, target, _ = moe_pair
+    hf, target, _, _ = moe_pair
     assert target.cfg.experts.shared_intermediate_size == 40 and target.cfg.experts.layers == (0, 1, 2, 3)
     ids = np.random.default_rng(4).integers(0, 96, 29).tolist()
     assert rel_err(dflash_jax.target_forward(target, ids)[0], hf_forward(hf, ids)[0]) < 1e-4
@@ -519,8 +519,35 @@ def test_the_moe_variant_matches_transformers(moe_pair):
 def test_the_moe_variant_decodes_exactly(moe_pair):
     from conftest import assert_greedy_dflash_exact
 
-    hf, target, drafter = moe_pair
+    hf, target, drafter, _ = moe_pair
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS, max_new_tokens=12)
+
+
+@pytest.mark.slow
+def test_convert_quantize_makes_the_moe_variant_8_bit_and_decodes_exactly(moe_pair, tmp_path):
+    """`convert --quantize int8` on Qwen3.5-MoE: the routed experts and the shared expert 8-bit
+    on disk (the router and the shared expert's one-column gate float); it computes what its
+    dequantized float copy computes, and greedy DFlash equals its own autoregressive decoding."""
+    import orbax.checkpoint as ocp
+
+    from test_quantization import dequantized
+
+    hf, _, drafter, folder = moe_pair
+    assert main(["convert", str(folder), str(tmp_path / "q"), "--quantize", "int8", "--quantize-block", "16"]) == 0
+    mlp = ocp.StandardCheckpointer().restore((tmp_path / "q" / "params").absolute())["layers"]["0"]["mlp"]
+    eight_bit = [mlp["gate_up"], mlp["down"], mlp["shared_expert"]["gate_up_proj"]["kernel"]]
+    assert {str(np.dtype(a.dtype)) for a in eight_bit} == {"int8"}
+    assert {str(np.dtype(mlp[name]["kernel"].dtype)) for name in ("router", "shared_expert_gate")} == {"float32"}
+    target = dflash_jax.load_target(tmp_path / "q")
+    ids = PROMPTS[2]
+    logits = np.asarray(dflash_jax.target_forward(target, ids)[0])
+    assert rel_err(logits, np.asarray(dflash_jax.target_forward(dequantized(target), ids)[0])) <= 1e-5
+    for short in PROMPTS[:2]:  # near the float model's; over 70 tokens int8 rounding flips some experts' routing
+        assert rel_err(np.asarray(dflash_jax.target_forward(target, short)[0]), hf_forward(hf, short)[0]) <= 0.05
+    ar = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12).token_ids
+    spec = dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4)
+    assert spec.token_ids == ar
+    assert any(n > 1 for lengths in spec.accepted_lengths for n in lengths)
 
 
 @pytest.mark.slow

@@ -89,6 +89,8 @@ def test_8_bit_targets_decode_alike_at_every_tensor_parallel_size():
         assert out[f"{name}/4"] == out[f"{name}/1"], name
         assert out[f"{name}/4/output-major"] == out[f"{name}/1"], name
     assert out["qwen3_5/2"] == out["qwen3_5/ar"]  # the convolution's channels reordered with their scales
+    assert out["moe/2"] == out["moe/ar"]  # each device's experts with their own scales
+    assert out["moe/2/scale-spec"] == ["model", None, None]
 
 
 @pytest.mark.slow

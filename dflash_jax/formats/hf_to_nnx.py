@@ -137,7 +137,7 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
         want = rule.part_shape(get_path(abstract_params, rule.path).shape)
         want_hf = tuple(reversed(want)) if rule.transpose else tuple(want)
         if rule.scales:  # beside a weight [out, in]: per block, per output channel, or one value
-            weight = rule.part_shape(get_path(abstract_params, (*rule.path[:-1], "kernel")).shape)
+            weight = rule.part_shape(get_path(abstract_params, rule.weight_path).shape)
             want_hf = hf_scale_shape(cfg.quantization, *weight)
             if math.prod(shapes[rule.hf_name]) == 1:
                 continue
@@ -284,8 +284,6 @@ def _quantized(raw_config: dict, model, quantization: WeightQuantization):
     """(config.json naming the quantization, the model with 8-bit weights in its products)."""
     if model.cfg.quantization is not None:
         raise ConversionError("this checkpoint's weights are 8-bit already and stay so; convert it without --quantize.")
-    if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
-        raise ConversionError("8-bit mixture-of-experts targets are not supported yet; convert without --quantize.")
     if isinstance(model.cfg, DrafterConfig) and model.cfg.dflash2 is not None:
         raise ConversionError("8-bit DFlash 2 drafters are not supported yet; convert without --quantize.")
     return {**raw_config, "quantization_config": quantization.to_config()}, quantize_model(model, quantization)

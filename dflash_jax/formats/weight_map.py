@@ -42,6 +42,13 @@ class WeightRule:
         return shape if self.head_part is None else (shape[0] // self.head_part[0], *shape[1:])
 
     @property
+    def weight_path(self) -> tuple:
+        """A scale tensor's weight: a `QuantizedLinear`'s kernel beside its scale, or the routed
+        experts' `gate_up` / `down` beside `gate_up_scale` / `down_scale`."""
+        *module, name = self.path
+        return (*module, "kernel") if name == "scale" else (*module, name.removesuffix("_scale"))
+
+    @property
     def region(self) -> tuple:
         """The index of this rule's piece within its (our-layout) parameter."""
         lead = () if self.expert is None else (self.expert,)
@@ -81,7 +88,8 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
         _norm(f"{hf}.input_layernorm", (*path, "input_layernorm"), zero_centered),
         _norm(f"{hf}.post_attention_layernorm", (*path, "post_attention_layernorm"), zero_centered),
     ]
-    linear = functools.partial(_linear, scale_name=cfg.quantization and cfg.quantization.hf_scale)
+    scale_name = cfg.quantization and cfg.quantization.hf_scale
+    linear = functools.partial(_linear, scale_name=scale_name)
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if getattr(cfg, "is_linear_attention", lambda _: False)(int(path[-1])):
         rules += _gated_delta_net(f"{hf}.linear_attn", (*path, "linear_attn"), linear)
@@ -104,12 +112,12 @@ def _decoder_layer(hf: str, path: tuple, cfg, *, mlp_bias: bool, qk_norm: bool,
     if experts is not None and experts.interleaved:
         return rules + _gpt_oss_experts(f"{hf}.mlp", (*path, "mlp"))
     if experts is not None and experts.shared_intermediate_size:  # Qwen3.5-MoE: and one shared, gated expert
-        return (rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
+        return (rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts, scale_name)
                 + _swiglu(f"{hf}.mlp.shared_expert", (*path, "mlp", "shared_expert"), experts.shared_intermediate_size,
                           bias=False, linear=linear)
                 + _linear(f"{hf}.mlp.shared_expert_gate", (*path, "mlp", "shared_expert_gate"), bias=False))
     if experts is not None:
-        return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts)
+        return rules + _routed_experts(f"{hf}.mlp", (*path, "mlp"), experts, scale_name)
     return rules + _swiglu(f"{hf}.mlp", (*path, "mlp"), cfg.intermediate_size, bias=mlp_bias, linear=linear)
 
 
@@ -145,16 +153,19 @@ def _gated_delta_net(hf: str, path: tuple, linear) -> list[WeightRule]:
                     _norm(f"{hf}.norm", (*path, "norm"))]
 
 
-def _routed_experts(hf: str, path: tuple, experts: ExpertsConfig) -> list[WeightRule]:
-    """Qwen3-MoE's `gate` (the router) and per-expert `experts.{e}.{gate,up,down}_proj`."""
+def _routed_experts(hf: str, path: tuple, experts: ExpertsConfig, scale_name: str | None) -> list[WeightRule]:
+    """Qwen3-MoE's `gate` (the router) and per-expert `experts.{e}.{gate,up,down}_proj`, with
+    the scale tensor beside each (`scale_name`) where the experts are 8-bit."""
     rules = [WeightRule(f"{hf}.gate.weight", (*path, "router", "kernel"), True)]
     inter = experts.intermediate_size
     for e in range(experts.num_experts):
-        rules += [
-            WeightRule(f"{hf}.experts.{e}.gate_proj.weight", (*path, "gate_up"), True, (0, inter), expert=e),
-            WeightRule(f"{hf}.experts.{e}.up_proj.weight", (*path, "gate_up"), True, (inter, 2 * inter), expert=e),
-            WeightRule(f"{hf}.experts.{e}.down_proj.weight", (*path, "down"), True, expert=e),
-        ]
+        for proj, name, columns in (("gate_proj", "gate_up", (0, inter)), ("up_proj", "gate_up", (inter, 2 * inter)),
+                                    ("down_proj", "down", None)):
+            prefix = f"{hf}.experts.{e}.{proj}"
+            rules.append(WeightRule(f"{prefix}.weight", (*path, name), True, columns, expert=e))
+            if scale_name is not None:
+                rules.append(WeightRule(f"{prefix}.{scale_name}", (*path, f"{name}_scale"), False, columns,
+                                        scales=True, expert=e))
     return rules
 
 

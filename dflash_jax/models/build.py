@@ -36,14 +36,13 @@ def model_in_dtype(cfg, dtype, params: dict[str, Any]) -> Target | Drafter:
 
 def quantize_model(model: Target | Drafter, quantization: WeightQuantization) -> Target | Drafter:
     """`model` (float weights, one device) with its products in 8 bits (a target's decoder
-    layers; a drafter's fc and layers): each layer the quantized config makes a
-    `QuantizedLinear` gets its float kernel quantized."""
+    layers, routed experts included; a drafter's fc and layers): each layer the quantized config
+    makes a `QuantizedLinear` gets its float kernel quantized, and routed experts each expert's
+    matrices (`gate_up_scale` beside `gate_up`)."""
     if model.cfg.quantization is not None:
         raise ValueError("this model's weights are 8-bit already; quantize its float original instead.")
     if model.mesh is not None:
         raise ValueError("quantize a model loaded without a mesh, then place it on the mesh.")
-    if isinstance(model.cfg, TargetConfig) and model.cfg.experts is not None:
-        raise ValueError("8-bit mixture-of-experts targets are not supported yet; keep this target's float weights.")
     if isinstance(model.cfg, DrafterConfig) and model.cfg.dflash2 is not None:
         raise ValueError("8-bit DFlash 2 drafters are not supported yet; keep this drafter's float weights.")
     cfg = dataclasses.replace(model.cfg, quantization=quantization)
@@ -55,6 +54,9 @@ def quantize_model(model: Target | Drafter, quantization: WeightQuantization) ->
                 tree[key]["kernel"], tree[key]["scale"] = quantize(tree[key]["kernel"], quantization)
             elif isinstance(want, dict):
                 fill(tree[key], want)
+            elif key.endswith("_scale"):  # routed experts [E, in, out]: each expert alone
+                name = key.removesuffix("_scale")
+                tree[name], tree[key] = jax.vmap(lambda w: quantize(w, quantization))(tree[name])
 
     fill(params, nnx.to_pure_dict(nnx.state(abstract_model(cfg, model.dtype), nnx.Param)))
     return model_from_params(cfg, model.dtype, params)

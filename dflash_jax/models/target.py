@@ -47,7 +47,8 @@ class Target(nnx.Module):
         )
         def feed_forward(layer: int):  # None: the dense SwiGLU
             experts = cfg.layer_experts(layer)
-            return None if experts is None else RoutedExperts(cfg.hidden_size, experts, dtype=dtype, rngs=rngs)
+            return None if experts is None else RoutedExperts(cfg.hidden_size, experts, dtype=dtype, rngs=rngs,
+                                                              quantization=cfg.quantization)
 
         def layer(i: int):
             if cfg.is_linear_attention(i):
