@@ -105,6 +105,35 @@ def test_kernel_computes_its_reference_over_8_bit_experts(weights, block_in, tok
     assert not np.asarray(got)[~np.asarray(tiles.used_G)].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights,block_in", [(None, None), ("int8", 128), ("fp8", 128), ("int8", None)])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_gpu_compiled_kernel_computes_its_reference(weights, block_in, tokens):
+    """The compiled kernel (bf16 token rows; bf16 experts, or 8-bit ones with scales per 128
+    input rows or per column) against the float32 reference, within bf16 rounding, at one token
+    (a tile per pair) and 16 (pairs grouped by expert)."""
+    from dflash_jax.quantization import WeightQuantization, quantize
+
+    E, K, N, top_k = 16, 512, 384, 4
+    ids = routed_ids(tokens, E, top_k, seed=7).reshape(-1)
+    tiles = expert_tiles(jnp.asarray(ids), E, tile_rows(ids.size, E), top_k)
+    key_x, key_w = jax.random.split(jax.random.key(2))
+    floats = jax.random.normal(key_w, (E, K, N), jnp.float32) * 0.05
+    if weights is None:
+        values, scales = floats.astype(jnp.bfloat16), None
+    else:
+        values, scales = jax.vmap(lambda w: quantize(w, WeightQuantization(weights, block_in)))(floats)
+    x = jax.random.normal(key_x, (tokens, K), jnp.float32).astype(jnp.bfloat16)
+    got = jax.jit(lambda x, v, s: grouped_matmul_pallas(x, v, tiles, top_k=top_k, scales_ERN=s, block_in=block_in))(
+        x, values, scales)
+    with jax.default_matmul_precision("highest"):
+        want = grouped_matmul_reference(x.astype(jnp.float32), values, tiles, top_k=top_k, scales_ERN=scales,
+                                        block_in=block_in) if scales is not None else grouped_matmul_reference(
+            x.astype(jnp.float32), values.astype(jnp.float32), tiles, top_k=top_k)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("eight_bit", [False, True])
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("matrix", ["gate_up", "down"])
