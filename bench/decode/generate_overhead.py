@@ -18,7 +18,7 @@ import statistics
 import numpy as np
 
 from bench import harness
-from bench.decode.profile import count_trace_events
+from bench.traces import count_trace_events
 from bench.random_models import build_pair
 from bench.shapes import MODELS
 

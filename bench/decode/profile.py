@@ -1,14 +1,11 @@
 """--profile: device events per loop iteration of the generate loops, from jax.profiler
-traces (bench.decode.speed's docstring), and the trace reader bench.decode.generate_overhead
-shares."""
+traces (bench.decode.speed's docstring)."""
 
 from __future__ import annotations
 
-import glob
-import gzip
-import json
 import os
-from collections import Counter
+
+from bench.traces import count_trace_events
 
 
 def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
@@ -46,37 +43,3 @@ def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
                          ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top],
                          op_details={op: c1["details"].get(op, "") for op, _ in top})
     return out
-
-
-def count_trace_events(folder: str) -> dict:
-    """Device-side event counts in the perfetto trace under `folder`: kernels on the GPU's
-    stream lines (derived lines such as "XLA Ops" repeat them and are left out), memcpys
-    (device to host ones are host syncs), events per line, and calls and busy time per op name."""
-    paths = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
-    if not paths:
-        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={}, details={})
-    with gzip.open(sorted(paths)[-1], "rt") as f:
-        trace = json.load(f)
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    meta = [e for e in events if e.get("ph") == "M"]
-    device_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
-                   and "GPU" in str(e.get("args", {}).get("name", ""))}
-    threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in meta
-               if e.get("name") == "thread_name" and e.get("pid") in device_pids}
-    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
-    lines = Counter(threads.get((e["pid"], e.get("tid")), "?") for e in spans)
-    streams = {key for key, name in threads.items() if "stream" in name.lower()}
-    device = [e for e in spans if not streams or (e["pid"], e.get("tid")) in streams]
-    memcpy = [e for e in device if "memcpy" in e.get("name", "").lower()]
-    dtoh = [e for e in memcpy if any(s in e["name"].lower() for s in ("dtoh", "d2h", "devicetohost"))]
-    busy, calls = Counter(), Counter()
-    for e in device:
-        busy[e.get("name", "?")[:60]] += float(e.get("dur", 0))
-        calls[e.get("name", "?")[:60]] += 1
-    details = {}  # per op, the longest args any line gives it (HLO text, kernel launch shape)
-    for e in spans:
-        name, args = e.get("name", "?")[:60], json.dumps(e.get("args", {}), default=str)[:600]
-        if name in busy and len(args) > len(details.get(name, "")):
-            details[name] = args
-    return dict(device_events=len(device), busy_us=sum(busy.values()), memcpy=len(memcpy), memcpy_dtoh=len(dtoh),
-                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()}, details=details)

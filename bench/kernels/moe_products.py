@@ -19,8 +19,9 @@ weights (so every expert streams from HBM), times:
   - each_pair: a loop over the pairs, each product reading its expert through a dynamic
     index (M <= 16);
   - dense: every expert applied to every token, the routed outputs kept (reads all experts).
-Reports us per layer, the distinct experts the tokens touch, and the read rate over those
-experts' bytes (what a grouped-expert kernel must stream at least).
+Reports us per layer (the device's busy time from a profiler trace on a GPU, the wall time
+elsewhere: `quantized_products.time_chain`), the distinct experts the tokens touch, and the
+read rate over those experts' bytes (what a grouped-expert kernel must stream at least).
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ def main(argv=None):
             if name == "each_pair" and M > 16:  # a loop of M * top_k steps: for decode and verify rows
                 continue
             try:
-                seconds = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
-                                     args.reps)
+                timed = time_chain(lambda x, params, fn=fn: fn(x, params, weights, jnp.asarray(ids)), x, layers,
+                                   args.reps)
             except Exception as error:  # an optional library's kernel refusing a shape: recorded, not fatal
                 results.append(dict(rows=M, variant=name, error=f"{type(error).__name__}: {str(error)[:300]}"))
                 print(json.dumps(results[-1]), flush=True)
                 continue
-            results.append(dict(rows=M, variant=name, us=seconds * 1e6, experts_touched=touched,
-                                touched_TBps=touched * expert_bytes / seconds / 1e12))
+            results.append(dict(rows=M, variant=name, **timed, experts_touched=touched,
+                                touched_TBps=touched * expert_bytes / timed["us"] / 1e6))
             print(json.dumps(results[-1]), flush=True)
     record.write(dict(model=args.model, copies=args.copies, expert_bytes=expert_bytes, timings=results))
     print(f"\n{'M':>4} {'variant':<8} {'us':>9} {'experts':>8} {'TB/s':>6}")

@@ -15,7 +15,9 @@ distinct weights (so every matrix streams from HBM), times:
     (Mosaic GPU; one group) over the bf16 weight, or the same 8-bit values and scales as a
     qwix `QArray` (Hopper: dequantized in registers), where tokamax loads (`optional_tokamax`);
   - none: the chain without a product (what each link costs besides its kernel).
-A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per matrix and the achieved read rate of its weight bytes (values + scales).
+A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per
+matrix (the device's busy time from a profiler trace on a GPU, the wall time elsewhere; both
+recorded) and the achieved read rate of its weight bytes (values + scales).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 from bench import harness
 from bench.shapes import QWEN3_8B, SMALL
+from bench.traces import device_seconds
 
 
 def matrices(model: dict) -> dict[str, tuple[int, int]]:
@@ -37,8 +40,11 @@ def matrices(model: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (d, nh + 2 * kh), "o": (nh, d), "gate_up": (d, 2 * inter), "down": (inter, d)}
 
 
-def time_chain(fn, x, weights, reps):
-    """Median seconds of one `fn(x, w)` over the chain of distinct weights."""
+def time_chain(fn, x, weights, reps) -> dict:
+    """One `fn(x, w)` over the chain of distinct weights: "wall_us", the median wall time per
+    link (the chain's dispatch included: ~10-30 us a link, bench/LOG.md session 40), and
+    "device_us", the device's busy time per link from a profiler trace (None on a CPU); "us" is
+    the device time where there is one, else the wall time."""
 
     @jax.jit
     def run(x, weights):
@@ -47,7 +53,11 @@ def time_chain(fn, x, weights, reps):
             total = total + fn(x, *w)[0, 0].astype(jnp.float32)
         return total
 
-    return harness.time_calls(lambda: run(x, weights), reps=reps, calls_per_sample=len(weights)).median_s
+    chain = lambda: run(x, weights)  # noqa: E731
+    wall = harness.time_calls(chain, reps=reps, calls_per_sample=len(weights)).median_s
+    device = device_seconds(chain, calls_per_run=len(weights))
+    return dict(us=1e6 * (wall if device is None else device), wall_us=1e6 * wall,
+                device_us=None if device is None else 1e6 * device)
 
 
 def tokamax_variants(floats, quantized, K: int, N: int) -> dict:
@@ -77,7 +87,7 @@ def tokamax_variants(floats, quantized, K: int, N: int) -> dict:
 
 def main(argv=None):
     from dflash_jax.quantization import WeightQuantization, quantize
-    from pallas_kernels.quantized_matmul import (Tiling, default_tiling, quantized_matmul_pallas,
+    from pallas_kernels.quantized_matmul import (Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas,
                                                  quantized_matmul_reference)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -137,12 +147,14 @@ def main(argv=None):
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
             for variant, (fn, ws, nb) in variants.items():
                 try:
-                    seconds = time_chain(fn, x, ws, args.reps)
+                    timed = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # an optional library's kernel refusing a shape: recorded, not fatal
                     report(matrix=name, rows=M, variant=variant, error=f"{type(error).__name__}: {str(error)[:300]}")
                     continue
-                tiling = default_tiling(K, N, 128 if "b128" in variant else None) if "pallas" in variant else None
-                report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
+                block_in = 128 if "b128" in variant else None
+                tiling = ((output_major_tiling(K, N, block_in, M) if variant.endswith("-nk")
+                           else default_tiling(K, N, block_in)) if "pallas" in variant else None)
+                report(matrix=name, K=K, N=N, rows=M, variant=variant, **timed, TBps=nb / timed["us"] / 1e6,
                        tiling=tiling and list(tiling.__dict__.values()))
         for M in [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []:
             key, sub = jax.random.split(key)
@@ -161,12 +173,12 @@ def main(argv=None):
                     x, v, s, block, tiling=tiling, interpret=interpret, transposed=args.sweep_transposed)
                 variant = f"sweep{'-b128' if block else ''}{'-nk' if args.sweep_transposed else ''}"
                 try:
-                    seconds = time_chain(fn, x, ws, args.reps)
+                    timed = time_chain(fn, x, ws, args.reps)
                 except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
                     report(matrix=name, rows=M, variant=variant, tiling=[bk, bn, splits, warps, stages, block_rows],
                            error=str(error)[:300])
                     continue
-                report(matrix=name, K=K, N=N, rows=M, variant=variant, us=seconds * 1e6, TBps=nb / seconds / 1e12,
+                report(matrix=name, K=K, N=N, rows=M, variant=variant, **timed, TBps=nb / timed["us"] / 1e6,
                        tiling=[bk, bn, splits, warps, stages, block_rows])
     record.write(dict(copies=args.copies, timings=results))
     print(f"\n{'matrix':<8} {'M':>3} {'variant':<18} {'us':>8} {'TB/s':>6} tiling")

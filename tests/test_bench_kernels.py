@@ -1,0 +1,65 @@
+"""The kernel benchmarks' timing: a profiler trace's device time (kernels and copies on the
+GPU's stream lines only, per call), and the product benchmarks' records, which say which
+clock their "us" is (the device's where a GPU ran, the wall clock elsewhere)."""
+
+import gzip
+import json
+
+import pytest
+
+from bench.traces import count_trace_events, device_seconds
+
+
+def write_trace(folder, events):
+    """A perfetto-style trace as jax.profiler writes it: a GPU process with a stream line and
+    a derived "XLA Ops" line, and the host."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def test_device_events_count_the_stream_lines_only(tmp_path):
+    """Kernels on the stream are counted once (the "XLA Ops" line repeats them), host events
+    never; copies to the host are told apart."""
+    span = lambda name, tid, dur, pid=1: {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": 0, "dur": dur}  # noqa: E731
+    write_trace(tmp_path / "t", [span("quantized_matmul", 7, 40.0), span("quantized_matmul", 7, 44.0),
+                                 span("MemcpyD2H", 7, 2.0), span("quantized_matmul", 8, 40.0),
+                                 span("python", 1, 900.0, pid=2)])
+    events = count_trace_events(str(tmp_path / "t"))
+    assert events["device_events"] == 3 and events["busy_us"] == 86.0
+    assert events["memcpy"] == events["memcpy_dtoh"] == 1
+    assert events["ops"]["quantized_matmul"] == (2, 84.0)
+
+
+def test_device_seconds_are_none_without_a_gpu():
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU's trace has device lines")
+    x = jnp.ones((8, 8))
+    step = jax.jit(lambda: x @ x)
+    step()
+    assert device_seconds(step, runs=1) is None
+
+
+@pytest.mark.parametrize("module,args", [
+    ("quantized_products", ["--rows", "1", "--matrices", "o", "--sweep", "128:64:1:4:3:64", "--sweep-rows", "1"]),
+    ("moe_products", ["--rows", "1", "--variants", "ragged,pallas"]),
+])
+def test_product_benchmarks_record_both_clocks(module, args, tmp_path):
+    import importlib
+
+    bench_module = importlib.import_module(f"bench.kernels.{module}")
+    out = tmp_path / "record.json"
+    assert bench_module.main(["--small", "--copies", "2", "--reps", "1", *args, "--out", str(out)]) == 0
+    timings = json.loads(out.read_text())["results"]["timings"]
+    assert timings and not [t for t in timings if "error" in t and not t["variant"].startswith("tokamax")]
+    for t in (t for t in timings if "error" not in t):
+        assert t["us"] == t["wall_us"] > 0 and t["device_us"] is None  # a CPU: the wall clock
