@@ -105,7 +105,9 @@ def _tiles_fit(params: dict, top_k: int, block_in: int | None) -> bool:
 
 def float_experts(params: dict, block_in: int | None, dtype) -> dict:
     """`params` with 8-bit experts' matrices dequantized to `dtype` (what XLA's `ragged_dot`
-    multiplies; every expert is read by it anyway), float ones as they are."""
+    multiplies; every expert is read by it anyway), float ones as they are. The weights are
+    rounded to `dtype` here, where the kernel multiplies the exact 8-bit values and scales the
+    float32 sums: the two agree within that rounding (exactly in float32)."""
     if "gate_up_scale" not in params:
         return params
     params = dict(params)

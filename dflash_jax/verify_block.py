@@ -61,7 +61,9 @@ def mixer_params(cfg: TargetConfig, layer: int) -> int:
 
 def pass_cost(cfg: TargetConfig, tokens: int, itemsize: int = 2, roofline: Roofline = Roofline()) -> dict:
     """What one target pass over `tokens` tokens reads and computes: "bytes", "flops" (weights
-    only: the KV cache's share grows with the context, not with the block) and "seconds"."""
+    only: the KV cache's share grows with the context, not with the block) and "seconds".
+    `itemsize`: the bytes of a float weight; an 8-bit target's decoder weights take one (their
+    scales and the few products held float left out), its LM head `itemsize`."""
     D = cfg.hidden_size
     dense_mlp = 3 * D * cfg.intermediate_size
     head = cfg.vocab_size * D
@@ -78,7 +80,8 @@ def pass_cost(cfg: TargetConfig, tokens: int, itemsize: int = 2, roofline: Roofl
         router = D * experts.num_experts + (3 * D + 1) * (experts.shared_intermediate_size or 0)  # and a shared expert
         weights += router + per_expert * experts_touched(experts.num_experts, experts.top_k, tokens)
         active += router + per_expert * experts.top_k
-    nbytes, flops = weights * itemsize, 2 * active * tokens
+    decoder_itemsize = 1 if cfg.quantization is not None else itemsize
+    nbytes, flops = head * itemsize + (weights - head) * decoder_itemsize, 2 * active * tokens
     seconds = sparse * roofline.sparse_layer_seconds + nbytes / roofline.bandwidth + flops / roofline.flops
     return dict(bytes=nbytes, flops=flops, seconds=seconds)
 

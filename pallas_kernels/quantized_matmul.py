@@ -10,9 +10,11 @@ fill the GPU when a matrix has few column blocks); shares are summed by XLA afte
 
 Weights are `[K, N]` values with scales `[R, N]`: R = 1 (a scale per output column, applied
 once to the float32 sum) or R = ceil(K / block_in) (a scale per column and block of
-`block_in` input rows, applied to each block's float32 partial product). The tiling depends
-on (K, N) alone, never on the number of rows, so a row's result is the same whatever rows
-share its call: a verify block computes what single steps compute.
+`block_in` input rows, applied to each block's float32 partial product). The splits depend on
+(K, N) alone, never on the number of rows; of the column width, only 64 or 128 columns a
+program are ever chosen (`output_major_tiling`), which compute a column alike bit for bit
+(narrower blocks would not on a CPU, whose dot sums depend on its width). So a row's result is
+the same whatever rows share its call: a verify block computes what single steps compute.
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ def default_tiling(K: int, N: int, block_in: int | None, *, programs: int = 264)
 
 def output_major_tiling(K: int, N: int, block_in: int | None, rows: int) -> Tiling | None:
     """The default tiling of a weight held [N, K] for a call of `rows` rows: `default_tiling`'s,
-    with 64-column programs up to 16 rows (more programs, more loads in flight; wider ones
-    from 17 rows up, where the weight is read once per block of rows). The splits, which fix
-    each column's summation order, stay those of (K, N), so a row computes alike in any call."""
+    with 64-column programs up to 16 rows (more programs, more loads in flight; 128 from 17
+    rows up, where the weight is read once per block of rows). The splits stay those of (K, N),
+    and 64 or 128 columns give a column the same bits (tested), so a row computes alike in any
+    call."""
     tiling = default_tiling(K, N, block_in)
     if tiling is None or rows > MIN_TILE:
         return tiling

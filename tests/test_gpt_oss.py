@@ -82,6 +82,29 @@ def test_greedy_dflash_equals_autoregressive_and_transformers(gpt_oss):
     assert_greedy_dflash_exact(hf, target, drafter, PROMPTS)
 
 
+def test_convert_quantize_keeps_the_experts_8_bit_and_decodes_exactly(gpt_oss, tmp_path):
+    """`convert --quantize int8` on gpt-oss: its stacked experts (interleaved gate and up
+    columns, biases float) 8-bit, each expert scaled alone; it computes what its dequantized
+    float copy computes, and greedy DFlash equals autoregressive decoding past the window,
+    through the grouped-expert kernel too."""
+    from dflash_jax.cli import main
+    from test_quantization import dequantized
+
+    _, folder, _, drafter = gpt_oss
+    assert main(["convert", folder, str(tmp_path / "q"), "--quantize", "int8", "--quantize-block", "16"]) == 0
+    target = dflash_jax.load_target(tmp_path / "q")
+    mlp = target.layers[0].mlp
+    assert (mlp.gate_up[...].dtype, mlp.gate_up_bias[...].dtype) == (np.int8, np.float32)
+    logits = np.asarray(dflash_jax.target_forward(target, IDS)[0])
+    assert rel_err(logits, dflash_jax.target_forward(dequantized(target), IDS)[0]) <= 1e-5
+    pallas = dflash_jax.Kernels(experts="pallas")
+    assert rel_err(dflash_jax.target_forward(target, IDS, kernels=pallas)[0], logits) <= 1e-5
+    ar = dflash_jax.generate_autoregressive(target, PROMPTS, max_new_tokens=12).token_ids
+    for kernels in (dflash_jax.Kernels(), pallas):
+        assert dflash_jax.generate(target, drafter, PROMPTS, max_new_tokens=12, block_size=4,
+                                   kernels=kernels).token_ids == ar
+
+
 def mxfp4(w_EIO: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(blocks [E, O, I / 32, 16] uint8, scales [E, O, I / 32] uint8) of a weight [E, I, O]: a
     power-of-two scale per 32 inputs, each value rounded to the nearest FP4 value."""

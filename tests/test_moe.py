@@ -18,6 +18,7 @@ from conftest import (assert_greedy_dflash_exact, converted_pair, engine_outputs
 from dflash_jax.cli import main
 from dflash_jax.config import ConfigError, parse_config
 from dflash_jax.formats.export_hf import export_hf
+from pallas_kernels.grouped_matmul import grouped_tiling
 from test_generate import PROMPTS
 
 IDS = np.random.default_rng(0).integers(0, 96, 40)
@@ -145,8 +146,9 @@ def test_a_published_fp8_moe_checkpoint_stays_8_bit(moe, tmp_path, layout):
     compressed-tensors' per-channel `weight_scale`, the router and LM head in float (as the
     published MoE FP8 checkpoints are): loaded and converted with the experts' values and scales
     kept 8-bit, computing transformers' logits of the dequantized weights; greedy DFlash on it
-    equals its autoregressive decoding, through the grouped-expert kernel too; a damaged expert
-    tensor is refused by name and nothing is written."""
+    equals its autoregressive decoding, through the grouped-expert kernel too (per-channel
+    scales; Qwen's blocks here are 24 rows, which no kernel step fits: the reference); a damaged
+    expert tensor is refused by name and nothing is written."""
     from safetensors.torch import load_file, save_file
 
     from conftest import write_published_fp8
@@ -167,6 +169,9 @@ def test_a_published_fp8_moe_checkpoint_stays_8_bit(moe, tmp_path, layout):
         assert rel_err(dflash_jax.target_forward(target, IDS)[0], want) <= 1e-5
     ar = dflash_jax.generate_autoregressive(converted, PROMPTS, max_new_tokens=12)
     assert dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4).token_ids == ar.token_ids
+    # per-channel scales take the kernel; 24-row scale blocks fit no 16-row step of the 64 inputs: the reference
+    fits = grouped_tiling(64, 64, 2, converted.cfg.quantization.block_in) is not None
+    assert fits == (layout == "compressed-tensors")
     pallas = dflash_jax.Kernels(experts="pallas")
     assert rel_err(dflash_jax.target_forward(converted, IDS, kernels=pallas)[0], want) <= 1e-5
     spec = dflash_jax.generate(converted, drafter, PROMPTS, max_new_tokens=12, block_size=4, kernels=pallas)
@@ -178,9 +183,26 @@ def test_a_published_fp8_moe_checkpoint_stays_8_bit(moe, tmp_path, layout):
         convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
     scale = next(name for name in tensors if name.startswith(damaged.removesuffix("weight")) and name != damaged)
     save_file({k: v for k, v in tensors.items() if k != scale}, tmp_path / "fp8" / "model.safetensors")
-    with pytest.raises(ConversionError, match=f"missing tensor '{scale}'"):
+    with pytest.raises(ConversionError, match=f"{damaged}' is float8_e4m3fn but has no weight_scale"):
         convert_checkpoint(tmp_path / "fp8", tmp_path / "damaged")
     assert not (tmp_path / "damaged").exists()
+
+
+def test_an_fp8_moe_checkpoint_leaving_attention_float_loads_as_its_dequantized_float_model(moe, tmp_path):
+    """A compressed-tensors checkpoint whose `ignore` keeps the attention products float (its
+    experts 8-bit): the library holds a layer's products all 8-bit or all float, so it reads
+    the float model of the dequantized weights, transformers' logits from them."""
+    from conftest import write_published_fp8
+
+    _, folder, _, _ = moe
+    write_published_fp8(Path(folder), tmp_path / "fp8", tmp_path / "reference", "compressed-tensors",
+                        keep_float=("self_attn",))
+    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "reference").float().eval()
+    target = dflash_jax.load_target(tmp_path / "fp8")
+    assert target.cfg.quantization is None
+    with torch.no_grad():
+        want = reference(torch.tensor(IDS)[None]).logits[0].numpy()
+    assert rel_err(dflash_jax.target_forward(target, IDS)[0], want) <= 1e-5
 
 
 @pytest.mark.parametrize("weights", ["int8", "fp8"])
@@ -196,6 +218,7 @@ def test_convert_quantize_keeps_a_moe_target_8_bit_and_decodes_exactly(moe, tmp_
     assert experts_dtypes(tmp_path / "q") == {"int8" if weights == "int8" else "float8_e4m3fn"}
     target = dflash_jax.load_target(tmp_path / "q")
     assert target.layers[0].mlp.gate_up_scale.shape == (8, 2, 64)  # 64 input rows in blocks of 32
+    assert grouped_tiling(64, 64, 2, 32) is not None  # the kernel runs below, scaling per block
     logits = np.asarray(dflash_jax.target_forward(target, IDS)[0])
     assert rel_err(logits, dflash_jax.target_forward(dequantized(target), IDS)[0]) <= 1e-5
     with torch.no_grad():

@@ -155,12 +155,14 @@ OFFICIAL_FP8_FLOAT = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # what 
 
 @pytest.mark.parametrize("kind, layout, keep_float, eight_bit", [
     ("text", "qwen", OFFICIAL_FP8_FLOAT, True), ("vision-language", "compressed-tensors", (), True),
-    ("text", "compressed-tensors", ("linear_attn",), False), ("text", "qwen", ("linear_attn",), False)],
-    ids=["official", "every-projection", "mixers-float", "mixers-float-unlisted"])
+    ("text", "compressed-tensors", ("linear_attn",), False), ("text", "qwen", ("linear_attn",), False),
+    ("moe", "qwen", OFFICIAL_FP8_FLOAT, True)],
+    ids=["official", "every-projection", "mixers-float", "mixers-float-unlisted", "moe-official"])
 def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_model(tmp_path, kind, layout, keep_float,
                                                                                  eight_bit, request):
     """FP8 projections load as the 8-bit products that hold them (the gated-delta-net layers'
-    b and a, float here, read dequantized where stored 8-bit); a checkpoint that stores
+    b and a, float here, read dequantized where stored 8-bit; Qwen3.5-MoE's routed and shared
+    experts 8-bit, its router and shared expert gate float); a checkpoint that stores
     products held 8-bit here in float (every linear_attn module, as community FP8 checkpoints
     do, listed in its config or not) loads as the float model of its dequantized weights, its
     converted config.json float. Either way transformers' logits from the weights they stand
@@ -172,6 +174,8 @@ def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_mode
 
     if kind == "text":
         hf, architecture = make_qwen3_5(seed=5), transformers.Qwen3_5ForCausalLM
+    elif kind == "moe":
+        hf, architecture = make_qwen3_5(seed=5, moe=True), transformers.Qwen3_5MoeForCausalLM
     else:
         torch.manual_seed(5)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
@@ -193,9 +197,15 @@ def test_published_fp8_checkpoints_load_8_bit_or_as_their_dequantized_float_mode
     assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "converted")]) == 0
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
     assert ("quantization_config" in config or "quantization_config" in config.get("text_config", {})) == eight_bit
-    mixer = ocp.StandardCheckpointer().restore((tmp_path / "converted" / "params").absolute())["layers"]["0"]["linear_attn"]
+    layer = ocp.StandardCheckpointer().restore((tmp_path / "converted" / "params").absolute())["layers"]["0"]
+    mixer = layer["linear_attn"]
     dtypes = [str(np.dtype(mixer[name]["kernel"].dtype)) for name in ("in_proj_qkv", "out_proj", "in_proj_a")]
     assert dtypes == (["float8_e4m3fn"] * 2 if eight_bit else ["float32"] * 2) + ["float32"]
+    if kind == "moe":
+        mlp = layer["mlp"]
+        experts = [mlp["gate_up"], mlp["down"], mlp["shared_expert"]["down_proj"]["kernel"]]
+        assert {str(np.dtype(a.dtype)) for a in experts} == {"float8_e4m3fn"}
+        assert str(np.dtype(mlp["router"]["kernel"].dtype)) == "float32"
     for target in (dflash_jax.load_target(tmp_path / "converted"), dflash_jax.load_target(tmp_path / "fp8")):
         assert (target.cfg.quantization is not None) == eight_bit
         assert rel_err(dflash_jax.target_forward(target, ids, layer_ids=[0])[0], want) < 1e-4

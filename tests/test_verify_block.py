@@ -72,6 +72,19 @@ def test_a_pass_reads_the_weights_the_model_holds(shape):
     assert pass_cost(cfg, 1, itemsize=1)["bytes"] == pytest.approx(held, rel=1e-3)
 
 
+def test_an_8_bit_target_reads_its_decoder_weights_in_one_byte():
+    import dataclasses
+
+    from dflash_jax.quantization import WeightQuantization
+
+    eight_bit = dataclasses.replace(QWEN3_30B_A3B, quantization=WeightQuantization("fp8", 128))
+    head = QWEN3_30B_A3B.vocab_size * QWEN3_30B_A3B.hidden_size * 2
+    for tokens in (1, 16):
+        floats = pass_cost(QWEN3_30B_A3B, tokens)
+        assert pass_cost(eight_bit, tokens)["bytes"] == pytest.approx(head + (floats["bytes"] - head) / 2)
+        assert pass_cost(eight_bit, tokens)["flops"] == floats["flops"]
+
+
 def test_default_block_follows_cost_acceptance_and_batch():
     assert candidate_block_sizes(16) == [4, 8, 16] and candidate_block_sizes(6) == [4, 6]
     low = default_block_size(QWEN3_30B_A3B, 16, batch=1, acceptance=0.73)

@@ -82,10 +82,11 @@ def model_from_hf(hf_dir: str | Path, dtype=None, *, progress: bool = False, mes
     else:
         rules, ignored = (gguf_target_rules(cfg) if gguf else target_rules(cfg)), target_ignored
 
-    if (not gguf and getattr(cfg, "linear_attention", None) is not None
+    if (not gguf and (getattr(cfg, "linear_attention", None) is not None or getattr(cfg, "experts", None) is not None)
             and any(rule.scales and rule.hf_name not in shapes for rule in rules)):
-        # a hybrid checkpoint that stores products this model holds 8-bit without scales (community
-        # FP8 checkpoints leave every linear_attn module float): one float model, read dequantized
+        # a hybrid or MoE checkpoint that stores products this model holds 8-bit without scales
+        # (community FP8 checkpoints leave every linear_attn module float, or attention): one
+        # float model, read dequantized, as such checkpoints loaded before their 8-bit forms
         cfg = dataclasses.replace(cfg, quantization=None)
         dequantized, raw_config = dequantized_on_read(raw_config, cfg), without_quantization(raw_config)
         rules = target_rules(cfg)
