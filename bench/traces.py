@@ -15,10 +15,12 @@ from collections import Counter
 def count_trace_events(folder: str) -> dict:
     """Device-side event counts in the perfetto trace under `folder`: kernels on the GPU's
     stream lines (derived lines such as "XLA Ops" repeat them and are left out), memcpys
-    (device to host ones are host syncs), events per line, and calls and busy time per op name."""
+    (device to host ones are host syncs), events per line, calls and busy time per op name, and
+    the op names in the order of their first launch (a repeated layer's kernels in its order)."""
     paths = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
-        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={}, details={})
+        return dict(device_events=0, busy_us=0.0, memcpy=0, memcpy_dtoh=0, lines={}, ops={}, details={},
+                    launch_order=[])
     with gzip.open(sorted(paths)[-1], "rt") as f:
         trace = json.load(f)
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
@@ -33,17 +35,20 @@ def count_trace_events(folder: str) -> dict:
     device = [e for e in spans if not streams or (e["pid"], e.get("tid")) in streams]
     memcpy = [e for e in device if "memcpy" in e.get("name", "").lower()]
     dtoh = [e for e in memcpy if any(s in e["name"].lower() for s in ("dtoh", "d2h", "devicetohost"))]
-    busy, calls = Counter(), Counter()
+    busy, calls, first = Counter(), Counter(), {}
     for e in device:
-        busy[e.get("name", "?")[:60]] += float(e.get("dur", 0))
-        calls[e.get("name", "?")[:60]] += 1
+        name = e.get("name", "?")[:60]
+        busy[name] += float(e.get("dur", 0))
+        calls[name] += 1
+        first[name] = min(first.get(name, float("inf")), float(e.get("ts", 0)))
     details = {}  # per op, the longest args any line gives it (HLO text, kernel launch shape)
     for e in spans:
         name, args = e.get("name", "?")[:60], json.dumps(e.get("args", {}), default=str)[:600]
         if name in busy and len(args) > len(details.get(name, "")):
             details[name] = args
     return dict(device_events=len(device), busy_us=sum(busy.values()), memcpy=len(memcpy), memcpy_dtoh=len(dtoh),
-                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()}, details=details)
+                lines=dict(lines), ops={name: (calls[name], us) for name, us in busy.items()}, details=details,
+                launch_order=sorted(first, key=first.get))
 
 
 def device_seconds(fn, *, runs: int = 3, calls_per_run: int = 1) -> float | None:

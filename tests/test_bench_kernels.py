@@ -26,15 +26,18 @@ def write_trace(folder, events):
 
 def test_device_events_count_the_stream_lines_only(tmp_path):
     """Kernels on the stream are counted once (the "XLA Ops" line repeats them), host events
-    never; copies to the host are told apart."""
-    span = lambda name, tid, dur, pid=1: {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": 0, "dur": dur}  # noqa: E731
-    write_trace(tmp_path / "t", [span("quantized_matmul", 7, 40.0), span("quantized_matmul", 7, 44.0),
-                                 span("MemcpyD2H", 7, 2.0), span("quantized_matmul", 8, 40.0),
-                                 span("python", 1, 900.0, pid=2)])
+    never; copies to the host are told apart; ops are listed in the order of their first launch."""
+    def span(name, tid, dur, ts, pid=1):
+        return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+    write_trace(tmp_path / "t", [span("rms_norm", 7, 3.0, 50), span("quantized_matmul", 7, 40.0, 10),
+                                 span("quantized_matmul", 7, 44.0, 60), span("MemcpyD2H", 7, 2.0, 120),
+                                 span("quantized_matmul", 8, 40.0, 0), span("python", 1, 900.0, 0, pid=2)])
     events = count_trace_events(str(tmp_path / "t"))
-    assert events["device_events"] == 3 and events["busy_us"] == 86.0
+    assert events["device_events"] == 4 and events["busy_us"] == 89.0
     assert events["memcpy"] == events["memcpy_dtoh"] == 1
     assert events["ops"]["quantized_matmul"] == (2, 84.0)
+    assert events["launch_order"] == ["quantized_matmul", "rms_norm", "MemcpyD2H"]
 
 
 def test_device_seconds_are_none_without_a_gpu():

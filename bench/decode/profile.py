@@ -11,7 +11,8 @@ from bench.traces import count_trace_events
 def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
     """Device events per DFlash cycle and per AR step from two jax.profiler traces (an m-run
     and an n-run of the compiled program): (events(n) - events(m)) / (iterations apart), in
-    all and per op (calls and busy us, the 40 busiest), so prefill and compile-time work cancel."""
+    all and per op (calls and busy us, the 40 busiest; and those in the order of their first
+    launch, a layer's kernels in its order), so prefill and compile-time work cancel."""
     import jax
 
     from dflash_jax.generate import generate, generate_autoregressive
@@ -39,7 +40,9 @@ def profile_generate(pair, prompts, impl: str, opts, log_dir: str) -> dict:
         ops = {op: ((calls - c0["ops"].get(op, (0, 0.0))[0]) / apart, (us - c0["ops"].get(op, (0, 0.0))[1]) / apart)
                for op, (calls, us) in c1["ops"].items()}
         top = sorted(ops.items(), key=lambda item: -item[1][1])[:40]
+        busiest = {op for op, _ in top}
         out[name] = dict(per_iteration=per, iterations=[i0, i1], events_per_line_long_run=c1["lines"],
                          ops_per_iteration=[(op, round(calls, 2), round(us, 1)) for op, (calls, us) in top],
+                         ops_in_launch_order=[op for op in c1["launch_order"] if op in busiest],
                          op_details={op: c1["details"].get(op, "") for op, _ in top})
     return out

@@ -173,6 +173,10 @@ def report(record: dict) -> str:
                     lines += ["", f"Busiest ops per {loop} iteration ({profile.get('point')}, "
                               f"{profile.get('attention_impl')}): calls, us", ""]
                     lines += [f"- {op}: {fmt(calls, 1)}, {fmt(us, 1)}" for op, calls, us in ops[:15]]
+                    order = (profile.get(loop) or {}).get("ops_in_launch_order") or []
+                    if order:
+                        lines += ["", "The 40 busiest in the order of their first launch (a layer's kernels in "
+                                  "its order): " + ", ".join(order)]
     if (run.get("model", "qwen3-8b") == "qwen3-8b" and run.get("dtype", "bfloat16") == "bfloat16"
             and run.get("tensor_parallel", 1) == 1):  # issue 6's setting
         lines += ["", "## Issue 6 targets", "", "| target | measured | met |", "|---|---|---|"]
