@@ -106,6 +106,12 @@ def output_major_tiling(K: int, N: int, block_in: int | None, rows: int) -> Tili
     return dataclasses.replace(tiling, block_n=largest_pow2_divisor(N, 64))
 
 
+def call_tiling(K: int, N: int, block_in: int | None, rows: int, *, transposed: bool) -> Tiling | None:
+    """The tiling `quantized_matmul_pallas` takes when none is given: `output_major_tiling` for a
+    weight held [N, K], else `default_tiling`."""
+    return output_major_tiling(K, N, block_in, rows) if transposed else default_tiling(K, N, block_in)
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
             finish: bool, transposed: bool):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -145,7 +151,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     N = values_IO.shape[0 if transposed else 1]
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
-    tiling = tiling or (output_major_tiling(K, N, block_in, T) if transposed else default_tiling(K, N, block_in))
+    tiling = tiling or call_tiling(K, N, block_in, T, transposed=transposed)
     if tiling is None:
         return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed).reshape(*lead, N)
     if (K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k)

@@ -129,8 +129,7 @@ def test_gpu_compiled_kernel_computes_its_reference(weights, block_in, tokens):
         x, values, scales)
     with jax.default_matmul_precision("highest"):
         want = grouped_matmul_reference(x.astype(jnp.float32), values, tiles, top_k=top_k, scales_ERN=scales,
-                                        block_in=block_in) if scales is not None else grouped_matmul_reference(
-            x.astype(jnp.float32), values.astype(jnp.float32), tiles, top_k=top_k)
+                                        block_in=block_in)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
 
 

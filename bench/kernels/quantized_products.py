@@ -87,7 +87,7 @@ def tokamax_variants(floats, quantized, K: int, N: int) -> dict:
 
 def main(argv=None):
     from dflash_jax.quantization import WeightQuantization, quantize
-    from pallas_kernels.quantized_matmul import (Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas,
+    from pallas_kernels.quantized_matmul import (Tiling, call_tiling, quantized_matmul_pallas,
                                                  quantized_matmul_reference)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -151,9 +151,8 @@ def main(argv=None):
                 except Exception as error:  # an optional library's kernel refusing a shape: recorded, not fatal
                     report(matrix=name, rows=M, variant=variant, error=f"{type(error).__name__}: {str(error)[:300]}")
                     continue
-                block_in = 128 if "b128" in variant else None
-                tiling = ((output_major_tiling(K, N, block_in, M) if variant.endswith("-nk")
-                           else default_tiling(K, N, block_in)) if "pallas" in variant else None)
+                tiling = call_tiling(K, N, 128 if "b128" in variant else None, M,
+                                     transposed=variant.endswith("-nk")) if "pallas" in variant else None
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, **timed, TBps=nb / timed["us"] / 1e6,
                        tiling=tiling and list(tiling.__dict__.values()))
         for M in [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []:
