@@ -49,7 +49,7 @@ CHOICES = {
     "layout": ("auto", "reference", "pallas", "triton"),
     "norm": ("auto", "reference", "pallas"),
     "heads": ("auto", "reference", "pallas"),
-    "quantized": ("auto", "reference", "pallas"),
+    "quantized": ("auto", "reference", "pallas", "pallas_blocks"),
     "experts": ("auto", "reference", "pallas"),
     "recurrence": ("auto", "reference", "pallas", "fused", "fused_decode"),
     "rule_inputs": ("auto", "reference", "pallas"),
@@ -60,7 +60,8 @@ CHOICES = {
 # in decode steps only, where that measured faster, and takes them from one kernel in the
 # other steps (bench/results).
 AUTO = ({name: ("pallas", "reference") for name in CHOICES}
-        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference")})
+        | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference"),
+           "quantized": ("pallas_blocks", "reference")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,9 @@ class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
     its own inputs, convolution and norms, and "fused_decode", that rule in steps of one token
-    a row and "pallas" in the others). Hashable: a static jit argument."""
+    a row and "pallas" in the others; quantized: also "pallas_blocks", the Pallas kernel for
+    weights scaled per block of input rows and XLA's product for those scaled per column,
+    which XLA's fused conversion computes as fast or faster). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -102,7 +105,7 @@ class Kernels:
     def resolve(self, mesh=None) -> Kernels:
         """This value with "auto" replaced by what it means on the default backend, for models
         placed on `mesh` (None: one device)."""
-        if mesh is not None and self.quantized == "pallas":
+        if mesh is not None and self.quantized in ("pallas", "pallas_blocks"):
             raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
                              "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
@@ -127,9 +130,11 @@ class Kernels:
     def quantized_matmul(self, dot_general):
         """`quantized_matmul_reference`'s (x, values, scales, block_in, transposed=) as this
         value computes it; the reference's products go through `dot_general`."""
-        if self._chosen("quantized") == "pallas":
-            return quantized_matmul_pallas
-        return functools.partial(quantized_matmul_reference, dot_general=dot_general)
+        chosen = self._chosen("quantized")
+        reference = functools.partial(quantized_matmul_reference, dot_general=dot_general)
+        if chosen == "pallas_blocks":
+            return functools.partial(_pallas_for_blocks, reference=reference)
+        return quantized_matmul_pallas if chosen == "pallas" else reference
 
     @property
     def grouped_matmul(self):
@@ -194,6 +199,14 @@ class Kernels:
 REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()})
 
 
+def _pallas_for_blocks(x, values, scales, block_in, *, transposed=False, reference):
+    """The 8-bit product of `Kernels(quantized="pallas_blocks")`: the Pallas kernel where
+    scales come per block of input rows, `reference` where they come per column."""
+    if block_in is None:
+        return reference(x, values, scales, block_in, transposed=transposed)
+    return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed)
+
+
 def check_kernels(kernels) -> Kernels:
     """`kernels` if it is a `Kernels`, else a TypeError that says so."""
     if not isinstance(kernels, Kernels):
@@ -213,7 +226,8 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product), experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
+        "product; also pallas_blocks: Pallas for scales per block of input rows, XLA for per-column ones, the GPU's auto), "
+        "experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "
         "convolution, SiLU and norms in unfused steps as jnp or one kernel (auto beside recurrence=reference: jnp); auto, "

@@ -1,12 +1,13 @@
 """`layers.dot_general`: the models' products, with the CPU bfloat16 path (float32 result,
-one row run as two) that makes bfloat16 decoding fast on XLA CPU."""
+one row run as two) that makes bfloat16 decoding fast on XLA CPU; `converted_dot_general`,
+the 8-bit layers' product without the kernel."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.layers import dot_general, runs_as_two_rows
+from dflash_jax.layers import converted_dot_general, dot_general, runs_as_two_rows
 
 NN = (((1,), (0,)), ((), ()))   # [M, K] x [K, N]
 NT = (((1,), (1,)), ((), ()))   # [M, K] x [N, K] (the tied LM head)
@@ -69,3 +70,23 @@ def test_one_row_o_proj_is_a_matrix_kernel_on_the_gpu():
     assert "reduce_fusion" not in compiled and ("gemm" in compiled or "cublas" in compiled)
     plain = jax.jit(lambda x, w: jax.lax.dot_general(x, w, NN)).lower(x, w).compile().as_text().lower()
     assert "reduce_fusion" in plain  # what the two rows avoid (if XLA changes its rule, revisit the limit)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_converted_products_run_one_row_as_two_on_a_gpu(backend, monkeypatch):
+    """A one-row product of weights converted from 8 bits: two rows on a GPU at any size (the
+    HLO as lowered, with the backend patched), the first row's values; untouched elsewhere."""
+    rng = np.random.default_rng(7)
+    x, values = jnp.asarray(rng.standard_normal((1, 48)), jnp.float32), jnp.asarray(rng.integers(-127, 128, (40, 48)),
+                                                                                    jnp.int8)
+    product = jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT))
+    expect = np.asarray(x, np.float64) @ np.asarray(values, np.float64).T
+    with monkeypatch.context() as patched:
+        patched.setattr(jax, "default_backend", lambda: backend)
+        hlo = product.lower(x, values).as_text()
+        out = product(x, values)
+    assert ("tensor<2x40xf32>" in hlo) is (backend == "gpu") and out.shape == (1, 40)
+    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5)
+    many = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
+    assert "tensor<6x40" not in jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT)).lower(
+        many, values).as_text()

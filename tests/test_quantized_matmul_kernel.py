@@ -157,12 +157,29 @@ def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transpo
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=1e-2 * np.abs(expected).max())
 
 
-def test_kernels_choose_the_product():
-    assert Kernels().resolve().quantized == ("pallas" if jax.default_backend() == "gpu" else "reference")
+def test_kernels_choose_the_product(monkeypatch):
+    assert Kernels().resolve().quantized == ("pallas_blocks" if jax.default_backend() == "gpu" else "reference")
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     assert Kernels().resolve(mesh).quantized == "reference"  # a Pallas call XLA cannot partition
-    with pytest.raises(ValueError, match="on a mesh use quantized=reference"):
-        Kernels(quantized="pallas").resolve(mesh)
+    for kernel in ("pallas", "pallas_blocks"):
+        with pytest.raises(ValueError, match="on a mesh use quantized=reference"):
+            Kernels(quantized=kernel).resolve(mesh)
+    with monkeypatch.context() as patched:
+        patched.setattr(jax, "default_backend", lambda: "gpu")
+        assert Kernels().resolve().quantized == "pallas_blocks"
     assert Kernels.parse("quantized=pallas").quantized_matmul(jax.lax.dot_general) is quantized_matmul_pallas
+    # pallas_blocks: the kernel for 128-row blocks, the reference for per-column scales
+    product = Kernels(quantized="pallas_blocks").quantized_matmul(jax.lax.dot_general)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 512)), jnp.float32)
+    calls = []
+    monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_pallas",
+                        lambda *a, **k: calls.append(a[3]) or quantized_matmul_pallas(*a, **k, interpret=True))
+    for block_in in (128, None):
+        values, scales = weight(512, 256, "int8", block_in)
+        for transposed in (False, True):
+            got = product(x, values.T if transposed else values, scales, block_in, transposed=transposed)
+            np.testing.assert_allclose(np.asarray(got), oracle(x, values, scales, block_in),
+                                       atol=2e-6 * np.abs(got).max() * 2)
+    assert calls == [128, 128]
     with pytest.raises(ValueError, match="the quantized kernel must be one of"):
         Kernels(quantized="triton")
