@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,8 @@ class Kernels:
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
     its own inputs, convolution and norms, and "fused_decode", that rule in steps of one token
     a row and "pallas" in the others; quantized: also "pallas_blocks", the Pallas kernel for
-    weights scaled per block of input rows and XLA's product for those scaled per column,
-    which XLA's fused conversion computes as fast or faster). Hashable: a static jit argument."""
+    weights scaled per block of input rows, and XLA's product for those scaled per column
+    where its fused conversion is the faster: `_pallas_for_blocks`). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -199,10 +200,16 @@ class Kernels:
 REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()})
 
 
+# Calls of these many rows run per-column 8-bit products faster through the Pallas kernel than
+# through XLA's fused conversion; one row and larger calls the other way round (bench/results).
+PER_COLUMN_KERNEL_ROWS = range(2, 65)
+
+
 def _pallas_for_blocks(x, values, scales, block_in, *, transposed=False, reference):
     """The 8-bit product of `Kernels(quantized="pallas_blocks")`: the Pallas kernel where
-    scales come per block of input rows, `reference` where they come per column."""
-    if block_in is None:
+    scales come per block of input rows, and where they come per column for calls of
+    `PER_COLUMN_KERNEL_ROWS` rows; `reference` (XLA's product) for the other calls."""
+    if block_in is None and math.prod(x.shape[:-1]) not in PER_COLUMN_KERNEL_ROWS:
         return reference(x, values, scales, block_in, transposed=transposed)
     return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed)
 
@@ -226,7 +233,8 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product; also pallas_blocks: Pallas for scales per block of input rows, XLA for per-column ones, the GPU's auto), "
+        "product; also pallas_blocks: Pallas for scales per block of input rows, XLA for per-column ones at one row and "
+        "past 64 rows, the GPU's auto), "
         "experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "

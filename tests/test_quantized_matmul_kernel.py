@@ -168,18 +168,19 @@ def test_kernels_choose_the_product(monkeypatch):
         patched.setattr(jax, "default_backend", lambda: "gpu")
         assert Kernels().resolve().quantized == "pallas_blocks"
     assert Kernels.parse("quantized=pallas").quantized_matmul(jax.lax.dot_general) is quantized_matmul_pallas
-    # pallas_blocks: the kernel for 128-row blocks, the reference for per-column scales
+    # pallas_blocks: the kernel for 128-row blocks; per-column scales: the kernel for 2-64 rows,
+    # the reference for one row and more than 64
     product = Kernels(quantized="pallas_blocks").quantized_matmul(jax.lax.dot_general)
-    x = jnp.asarray(np.random.default_rng(6).normal(size=(3, 512)), jnp.float32)
     calls = []
     monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_pallas",
-                        lambda *a, **k: calls.append(a[3]) or quantized_matmul_pallas(*a, **k, interpret=True))
-    for block_in in (128, None):
-        values, scales = weight(512, 256, "int8", block_in)
-        for transposed in (False, True):
-            got = product(x, values.T if transposed else values, scales, block_in, transposed=transposed)
+                        lambda *a, **k: calls.append((len(a[0]), a[3])) or quantized_matmul_pallas(*a, **k, interpret=True))
+    for rows in (1, 3, 80):
+        x = jnp.asarray(np.random.default_rng(rows).normal(size=(rows, 512)), jnp.float32)
+        for block_in in (128, None):
+            values, scales = weight(512, 256, "int8", block_in)
+            got = product(x, values.T, scales, block_in, transposed=True)
             np.testing.assert_allclose(np.asarray(got), oracle(x, values, scales, block_in),
                                        atol=2e-6 * np.abs(got).max() * 2)
-    assert calls == [128, 128]
+    assert calls == [(1, 128), (3, 128), (3, None), (80, 128)]
     with pytest.raises(ValueError, match="the quantized kernel must be one of"):
         Kernels(quantized="triton")
