@@ -79,7 +79,7 @@ def test_converted_products_run_one_row_as_two_on_a_gpu(backend, monkeypatch):
     rng = np.random.default_rng(7)
     x, values = jnp.asarray(rng.standard_normal((1, 48)), jnp.float32), jnp.asarray(rng.integers(-127, 128, (40, 48)),
                                                                                     jnp.int8)
-    product = jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT))
+    product = jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT, precision="highest"))
     expect = np.asarray(x, np.float64) @ np.asarray(values, np.float64).T
     with monkeypatch.context() as patched:
         patched.setattr(jax, "default_backend", lambda: backend)
