@@ -3,9 +3,10 @@
 `Kernels` names the implementation of the seven kernels a step runs: paged attention, the
 DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/V cache
 write), the 8-bit weights' product, the routed experts' product (with their router's top k)
-and the gated delta rule (hybrid targets' linear attention). "auto" has one meaning for all seven: the Pallas kernel
+and the gated delta rule (hybrid targets' linear attention). "auto" means the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
-mode); the 8-bit product on a mesh is the reference (XLA partitions it; a Pallas call it
+mode); the 8-bit product on one GPU is "pallas_or_xla" (the kernel, or XLA's product for
+per-column weights where that is faster), on a mesh the reference (XLA partitions it; a Pallas call it
 could not), while the experts' kernel runs per device inside the expert split and the delta
 rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()`
 replaces "auto" by what it means on this backend; the resolved value travels in each
@@ -50,7 +51,7 @@ CHOICES = {
     "layout": ("auto", "reference", "pallas", "triton"),
     "norm": ("auto", "reference", "pallas"),
     "heads": ("auto", "reference", "pallas"),
-    "quantized": ("auto", "reference", "pallas", "pallas_blocks"),
+    "quantized": ("auto", "reference", "pallas", "pallas_or_xla"),
     "experts": ("auto", "reference", "pallas"),
     "recurrence": ("auto", "reference", "pallas", "fused", "fused_decode"),
     "rule_inputs": ("auto", "reference", "pallas"),
@@ -62,7 +63,7 @@ CHOICES = {
 # other steps (bench/results).
 AUTO = ({name: ("pallas", "reference") for name in CHOICES}
         | {"prefill_rule": ("tokens", "chunks"), "recurrence": ("fused_decode", "reference"),
-           "quantized": ("pallas_blocks", "reference")})
+           "quantized": ("pallas_or_xla", "reference")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,9 @@ class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
     its own inputs, convolution and norms, and "fused_decode", that rule in steps of one token
-    a row and "pallas" in the others; quantized: also "pallas_blocks", the Pallas kernel for
-    weights scaled per block of input rows, and XLA's product for those scaled per column
-    where its fused conversion is the faster: `_pallas_for_blocks`). Hashable: a static jit argument."""
+    a row and "pallas" in the others; quantized: also "pallas_or_xla", the Pallas kernel, or
+    XLA's product for weights scaled per column where its fused conversion is the faster:
+    `_pallas_or_xla`). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -106,7 +107,7 @@ class Kernels:
     def resolve(self, mesh=None) -> Kernels:
         """This value with "auto" replaced by what it means on the default backend, for models
         placed on `mesh` (None: one device)."""
-        if mesh is not None and self.quantized in ("pallas", "pallas_blocks"):
+        if mesh is not None and self.quantized in ("pallas", "pallas_or_xla"):
             raise ValueError("the Pallas 8-bit product runs on one device; on a mesh use quantized=reference "
                              "(or auto).")
         on_gpu = jax.default_backend() == "gpu"
@@ -133,8 +134,8 @@ class Kernels:
         value computes it; the reference's products go through `dot_general`."""
         chosen = self._chosen("quantized")
         reference = functools.partial(quantized_matmul_reference, dot_general=dot_general)
-        if chosen == "pallas_blocks":
-            return functools.partial(_pallas_for_blocks, reference=reference)
+        if chosen == "pallas_or_xla":
+            return functools.partial(_pallas_or_xla, reference=reference)
         return quantized_matmul_pallas if chosen == "pallas" else reference
 
     @property
@@ -200,16 +201,19 @@ class Kernels:
 REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()})
 
 
-# Calls of these many rows run per-column 8-bit products faster through the Pallas kernel than
-# through XLA's fused conversion; one row and larger calls the other way round (bench/results).
-PER_COLUMN_KERNEL_ROWS = range(2, 65)
+# Calls of these many tokens run per-column 8-bit products faster through the Pallas kernel
+# than through XLA's fused conversion; one token and larger calls the other way round
+# (bench/results).
+PER_COLUMN_KERNEL_TOKENS = range(2, 65)
 
 
-def _pallas_for_blocks(x, values, scales, block_in, *, transposed=False, reference):
-    """The 8-bit product of `Kernels(quantized="pallas_blocks")`: the Pallas kernel where
+def _pallas_or_xla(x, values, scales, block_in, *, transposed=False, reference):
+    """The 8-bit product of `Kernels(quantized="pallas_or_xla")`: the Pallas kernel where
     scales come per block of input rows, and where they come per column for calls of
-    `PER_COLUMN_KERNEL_ROWS` rows; `reference` (XLA's product) for the other calls."""
-    if block_in is None and math.prod(x.shape[:-1]) not in PER_COLUMN_KERNEL_ROWS:
+    `PER_COLUMN_KERNEL_TOKENS` tokens; `reference` (XLA's product) for the other calls. So
+    with per-column weights a one-token step and a verify block run different products, whose
+    last bits may differ (`quantized="pallas"` keeps them alike)."""
+    if block_in is None and math.prod(x.shape[:-1]) not in PER_COLUMN_KERNEL_TOKENS:
         return reference(x, values, scales, block_in, transposed=transposed)
     return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed)
 
@@ -233,12 +237,12 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product; also pallas_blocks: Pallas for scales per block of input rows, XLA for per-column ones at one row and "
-        "past 64 rows, the GPU's auto), "
+        "product; also pallas_or_xla: Pallas, but XLA for per-column scales in calls of one token or more than 64 "
+        "tokens: the GPU's auto), "
         "experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "
         "convolution, SiLU and norms in unfused steps as jnp or one kernel (auto beside recurrence=reference: jnp); auto, "
-        "the default, is Pallas on a GPU (recurrence: fused_decode) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
+        "the default, is Pallas on a GPU (recurrence: fused_decode; quantized: pallas_or_xla) and the jnp reference elsewhere; prefill_rule = auto | chunks | tokens: long prefill rows "
         "through the gated delta rule in chunks of 64 or token by token (auto: tokens on a GPU, chunks elsewhere)",
     )

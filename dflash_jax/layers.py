@@ -47,10 +47,15 @@ XLA_GPU_VECTOR_PRODUCT_LIMIT = 10_000_000
 MIN_TWO_ROW_COLUMNS = 64
 
 
+def _one_row(lhs, dimension_numbers) -> bool:
+    """Whether a product's lhs is a single row ([1, K], or [K, 1] contracted on its first axis)."""
+    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    return lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1
+
+
 def runs_as_two_rows(lhs, rhs, dimension_numbers, backend: str) -> bool:
     """Whether `dot_general` runs this one-row product as two rows on `backend` (its docstring)."""
-    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
-    if not (lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1):
+    if not _one_row(lhs, dimension_numbers):
         return False
     if backend == "cpu":
         return lhs.dtype == jnp.bfloat16
@@ -91,10 +96,9 @@ def _with_zero_row(lhs, dimension_numbers):
 def converted_dot_general(lhs, rhs, dimension_numbers, **kwargs):
     """`dot_general` for a product whose `rhs` XLA converts from 8 bits inside the product (the
     8-bit layers' product without the Pallas kernel): on a GPU a single row runs as two at any
-    size, for which XLA's fused conversion takes a kernel ~10% faster (`bench/results`)."""
-    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
-    if (jax.default_backend() == "gpu" and lhs.ndim == 2 and not lhs_batch
-            and lhs.shape[1 - lhs_contract[0]] == 1):
+    size, for which XLA's fused conversion takes a faster kernel (`bench/results`). The callers
+    pass rows flattened to [T, K]."""
+    if jax.default_backend() == "gpu" and _one_row(lhs, dimension_numbers):
         return dot_general(_with_zero_row(lhs, dimension_numbers), rhs, dimension_numbers, **kwargs)[:1]
     return dot_general(lhs, rhs, dimension_numbers, **kwargs)
 

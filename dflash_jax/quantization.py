@@ -3,12 +3,12 @@ weights, and the linear layer that keeps its weights 8-bit on the device.
 
 Only the weights are quantized: a product converts its 8-bit values to the activations' dtype
 (exactly), multiplies, and scales the float32 result (`pallas_kernels.quantized_matmul`: a
-Pallas kernel on one GPU for scales per block of input rows, XLA's product with the conversion
-fused elsewhere and for per-column scales, as `Kernels.quantized` chooses). The kernel and the
-CPU's product compute every row alike whatever the rows beside it, so a verify block stays
-exactly what single steps compute; XLA's GPU products, like cuBLAS's bfloat16 ones, may pick
-another kernel for another number of rows. Activations are never quantized (per block they
-would not be).
+Pallas kernel, or XLA's product with the conversion fused, as `Kernels.quantized` chooses).
+The kernel and the CPU's product each compute a row alike whatever the rows beside it, so a
+verify block computes exactly what single steps compute. The GPU's default sends per-column
+weights through XLA in one-token steps and through the kernel in verify blocks, whose last
+bits may then differ (as bf16 cuBLAS products' do; `quantized="pallas"` keeps them alike).
+Activations are never quantized (per block they would not be).
 
 A weight `[in, out]` holds 8-bit values with one float32 scale per output column and block of
 `block_in` input rows (`block_in` None: one block, a scale per output column). Published block

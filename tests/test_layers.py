@@ -73,20 +73,41 @@ def test_one_row_o_proj_is_a_matrix_kernel_on_the_gpu():
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
-def test_converted_products_run_one_row_as_two_on_a_gpu(backend, monkeypatch):
+@pytest.mark.parametrize("dims", [NN, NT], ids=["NN", "NT"])
+def test_converted_products_run_one_row_as_two_on_a_gpu(backend, dims, monkeypatch):
     """A one-row product of weights converted from 8 bits: two rows on a GPU at any size (the
-    HLO as lowered, with the backend patched), the first row's values; untouched elsewhere."""
+    HLO as lowered, with the backend patched), the first row's values; untouched elsewhere
+    and for more rows."""
     rng = np.random.default_rng(7)
-    x, values = jnp.asarray(rng.standard_normal((1, 48)), jnp.float32), jnp.asarray(rng.integers(-127, 128, (40, 48)),
-                                                                                    jnp.int8)
-    product = jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT, precision="highest"))
-    expect = np.asarray(x, np.float64) @ np.asarray(values, np.float64).T
+    x = jnp.asarray(rng.standard_normal((1, 48)), jnp.float32)
+    values = jnp.asarray(rng.integers(-127, 128, (48, 40) if dims == NN else (40, 48)), jnp.int8)
+    product = jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), dims, precision="highest"))
+    weight = np.asarray(values, np.float64)
+    expect = np.asarray(x, np.float64) @ (weight if dims == NN else weight.T)
+    many = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
     with monkeypatch.context() as patched:
         patched.setattr(jax, "default_backend", lambda: backend)
         hlo = product.lower(x, values).as_text()
         out = product(x, values)
+        hlo_many = product.lower(many, values).as_text()
     assert ("tensor<2x40xf32>" in hlo) is (backend == "gpu") and out.shape == (1, 40)
-    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5)
-    many = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
-    assert "tensor<6x40" not in jax.jit(lambda x, v: converted_dot_general(x, v.astype(x.dtype), NT)).lower(
-        many, values).as_text()
+    np.testing.assert_allclose(np.asarray(out), expect, atol=1e-3)  # float32 sums of 48 terms up to 127 * 4
+    assert "tensor<3x40xf32>" in hlo_many and "tensor<6x40" not in hlo_many
+
+
+def test_8_bit_layers_take_the_converted_product(monkeypatch):
+    """`linear` with a quantization builds a layer whose XLA product (the reference kernels)
+    runs a one-row call as two rows on a GPU."""
+    from flax import nnx
+
+    from dflash_jax.kernels import REFERENCE
+    from dflash_jax.layers import linear
+    from dflash_jax.quantization import WeightQuantization
+
+    layer = linear(48, 40, (None, None), use_bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0),
+                   quantization=WeightQuantization("int8", None))
+    x = jnp.ones((1, 48), jnp.float32)
+    with monkeypatch.context() as patched:
+        patched.setattr(jax, "default_backend", lambda: "gpu")
+        hlo = jax.jit(lambda x: layer(x, REFERENCE)).lower(x).as_text()
+    assert "tensor<2x40xf32>" in hlo

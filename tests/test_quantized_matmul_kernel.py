@@ -158,29 +158,31 @@ def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transpo
 
 
 def test_kernels_choose_the_product(monkeypatch):
-    assert Kernels().resolve().quantized == ("pallas_blocks" if jax.default_backend() == "gpu" else "reference")
+    assert Kernels().resolve().quantized == ("pallas_or_xla" if jax.default_backend() == "gpu" else "reference")
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     assert Kernels().resolve(mesh).quantized == "reference"  # a Pallas call XLA cannot partition
-    for kernel in ("pallas", "pallas_blocks"):
+    for kernel in ("pallas", "pallas_or_xla"):
         with pytest.raises(ValueError, match="on a mesh use quantized=reference"):
             Kernels(quantized=kernel).resolve(mesh)
     with monkeypatch.context() as patched:
         patched.setattr(jax, "default_backend", lambda: "gpu")
-        assert Kernels().resolve().quantized == "pallas_blocks"
+        assert Kernels().resolve().quantized == "pallas_or_xla"
     assert Kernels.parse("quantized=pallas").quantized_matmul(jax.lax.dot_general) is quantized_matmul_pallas
-    # pallas_blocks: the kernel for 128-row blocks; per-column scales: the kernel for 2-64 rows,
-    # the reference for one row and more than 64
-    product = Kernels(quantized="pallas_blocks").quantized_matmul(jax.lax.dot_general)
+    # pallas_or_xla: the kernel for 128-row blocks; per-column scales: the kernel for 2-64
+    # tokens, the reference for one and for more than 64 (leading axes counted)
+    product = Kernels(quantized="pallas_or_xla").quantized_matmul(jax.lax.dot_general)
     calls = []
-    monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_pallas",
-                        lambda *a, **k: calls.append((len(a[0]), a[3])) or quantized_matmul_pallas(*a, **k, interpret=True))
-    for rows in (1, 3, 80):
-        x = jnp.asarray(np.random.default_rng(rows).normal(size=(rows, 512)), jnp.float32)
+    monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_pallas", lambda *a, **k: calls.append(
+        (a[0].shape[:-1], a[3])) or quantized_matmul_pallas(*a, **k, interpret=True))
+    shapes = [(1,), (2,), (64,), (65,), (2, 40)]
+    for lead in shapes:
+        x = jnp.asarray(np.random.default_rng(len(lead)).normal(size=(*lead, 512)), jnp.float32)
         for block_in in (128, None):
             values, scales = weight(512, 256, "int8", block_in)
             got = product(x, values.T, scales, block_in, transposed=True)
-            np.testing.assert_allclose(np.asarray(got), oracle(x, values, scales, block_in),
-                                       atol=2e-6 * np.abs(got).max() * 2)
-    assert calls == [(1, 128), (3, 128), (3, None), (80, 128)]
+            expected = oracle(x.reshape(-1, 512), values, scales, block_in).reshape(*lead, 256)
+            np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * np.abs(got).max() * 2)
+    assert calls == [((1,), 128), ((2,), 128), ((2,), None), ((64,), 128), ((64,), None), ((65,), 128),
+                     ((2, 40), 128)]
     with pytest.raises(ValueError, match="the quantized kernel must be one of"):
         Kernels(quantized="triton")

@@ -272,7 +272,8 @@ def main(argv=None) -> int:
                settings=dict(n_tokens=opts.n_tokens, reps=opts.reps, engine_steps=opts.engine_steps,
                              step_iters=opts.step_iters, small_iters=opts.small_iters, step_reps=opts.step_reps,
                              page_size=PAGE_SIZE, block_sizes=opts.block_sizes, generate_limit=opts.generate_limit),
-               kernels=opts.kernels, points=[], skipped=[], timeline=[])
+               kernels=opts.kernels, resolved_kernels=dataclasses.asdict(base_kernels.resolve(mesh)), points=[],
+               skipped=[], timeline=[])
 
     def save():
         record.write(run)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.kernels import REFERENCE, Kernels
-from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, dot_general, linear
+from dflash_jax.layers import AttendFn, DecoderLayer, RMSNorm, converted_dot_general, dot_general, linear
 from dflash_jax.models.dflash2 import CandidateSelector, DFlash2DecoderLayer
 from dflash_jax.sharding import replicated
 from pallas_kernels.quantized_matmul import quantized_matmul_reference
@@ -80,7 +80,7 @@ class Drafter(nnx.Module):
         if scales is None:
             kv = dot_general(ctx_LD, stacked, (((1,), (0,)), ((), ())))
         else:
-            kv = quantized_matmul_reference(ctx_LD, stacked, scales, cfg.quantization.block_in, dot_general)
+            kv = quantized_matmul_reference(ctx_LD, stacked, scales, cfg.quantization.block_in, converted_dot_general)
         if bias is not None:
             kv = kv + bias
         # [L, shards, layers, 2, K/shards, H]; no -1 in the shape: L is 0 before there is any context.
