@@ -8,7 +8,8 @@ For each decoder-layer matrix of the Qwen3-8B shape (`bench.shapes`: qkv [4096, 
 distinct weights (so every matrix streams from HBM), times:
   - bf16: XLA's product of a bf16 weight (what 8 bits must beat);
   - xla-int8 / xla-int8-b128: `quantized_matmul_reference` (XLA, the conversion in the
-    product's operand), one scale per column / per 128 input rows;
+    product's operand) through the 8-bit layers' `converted_dot_general` (one row run as two
+    on a GPU), one scale per column / per 128 input rows;
   - pallas-*: `pallas_kernels.quantized_matmul` with its default tiling, and the tilings of
     `--sweep` at the rows of `--sweep-rows`, int8 with `--sweep-block`;
   - tokamax-bf16, tokamax-int8(-b128), tokamax-fp8-b128: openxla/tokamax's `ragged_dot`
@@ -86,6 +87,7 @@ def tokamax_variants(floats, quantized, K: int, N: int) -> dict:
 
 
 def main(argv=None):
+    from dflash_jax.layers import converted_dot_general
     from dflash_jax.quantization import WeightQuantization, quantize
     from pallas_kernels.quantized_matmul import (Tiling, call_tiling, quantized_matmul_pallas,
                                                  quantized_matmul_reference)
@@ -134,7 +136,7 @@ def main(argv=None):
             tag = f"{weights}{'-b128' if block else ''}"
             nb = K * N + ws[0][1].size * 4
             variants[f"xla-{tag}"] = (
-                lambda x, v, s, block=block: quantized_matmul_reference(x, v, s, block), ws, nb)
+                lambda x, v, s, block=block: quantized_matmul_reference(x, v, s, block, converted_dot_general), ws, nb)
             variants[f"pallas-{tag}"] = (
                 lambda x, v, s, block=block: quantized_matmul_pallas(x, v, s, block, interpret=interpret), ws, nb)
             variants[f"pallas-{tag}-nk"] = (
