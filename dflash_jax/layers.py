@@ -47,29 +47,28 @@ XLA_GPU_VECTOR_PRODUCT_LIMIT = 10_000_000
 MIN_TWO_ROW_COLUMNS = 64
 
 
-def _one_row(lhs, dimension_numbers) -> bool:
-    """Whether a product's lhs is a single row ([1, K], or [K, 1] contracted on its first axis)."""
+def runs_as_two_rows(lhs, rhs, dimension_numbers, backend: str, *, converted: bool = False) -> bool:
+    """Whether `dot_general` runs this one-row product as two rows on `backend` (its docstring);
+    `converted`: `rhs` is converted from 8 bits inside the product."""
     (lhs_contract, _), (lhs_batch, _) = dimension_numbers
-    return lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1
-
-
-def runs_as_two_rows(lhs, rhs, dimension_numbers, backend: str) -> bool:
-    """Whether `dot_general` runs this one-row product as two rows on `backend` (its docstring)."""
-    if not _one_row(lhs, dimension_numbers):
+    if not (lhs.ndim == 2 and not lhs_batch and lhs.shape[1 - lhs_contract[0]] == 1):
         return False
     if backend == "cpu":
         return lhs.dtype == jnp.bfloat16
-    return (backend == "gpu" and lhs.size + rhs.size < XLA_GPU_VECTOR_PRODUCT_LIMIT
-            and rhs.size // lhs.size >= MIN_TWO_ROW_COLUMNS)
+    return backend == "gpu" and (converted or (lhs.size + rhs.size < XLA_GPU_VECTOR_PRODUCT_LIMIT
+                                               and rhs.size // lhs.size >= MIN_TWO_ROW_COLUMNS))
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, converted=False,
+                **kwargs):
     """`lax.dot_general` for the models' products (layers, LM head, drafter context).
 
     A single row runs as two (the result's first row kept) where the backend would otherwise
     leave its matrix kernels (`runs_as_two_rows`): on a GPU, a one-row product that XLA
     strength-reduces (`XLA_GPU_VECTOR_PRODUCT_LIMIT`: a decode step's o_proj and router on
-    Qwen3-30B-A3B) unless it is narrow; on a CPU every bfloat16 one, which there also asks for
+    Qwen3-30B-A3B) unless it is narrow, and any whose weight is `converted` from 8 bits inside
+    the product (XLA's fused conversion takes a faster kernel for two rows: `bench/results`);
+    on a CPU every bfloat16 one, which there also asks for
     a float32 result (cast back): XLA CPU's fast bfloat16 kernels need a float32 result and
     more than one row, and its other bfloat16 paths are an order of magnitude slower (`python
     -m bench.kernels.cpu_products`), so bfloat16 decodes faster than float32 there and a
@@ -77,9 +76,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     bench.kernels.one_row_products` times the GPU case.
     """
     backend = jax.default_backend()
-    as_two = runs_as_two_rows(lhs, rhs, dimension_numbers, backend)
-    if as_two:
-        lhs = _with_zero_row(lhs, dimension_numbers)
+    as_two = runs_as_two_rows(lhs, rhs, dimension_numbers, backend, converted=converted)
+    if as_two:  # [1, K] (or [K, 1]) -> two rows, then the first row of the result
+        (lhs_contract, _), _ = dimension_numbers
+        lhs = jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - lhs_contract[0])
     f32_result = backend == "cpu" and lhs.dtype == jnp.bfloat16
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
     out = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -87,20 +87,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     return (out[:1] if as_two else out).astype(out_dtype)
 
 
-def _with_zero_row(lhs, dimension_numbers):
-    """[1, K] (or [K, 1]) -> two rows, the second zeros; the caller keeps the first result row."""
-    (lhs_contract, _), _ = dimension_numbers
-    return jnp.concatenate([lhs, jnp.zeros_like(lhs)], axis=1 - lhs_contract[0])
-
-
-def converted_dot_general(lhs, rhs, dimension_numbers, **kwargs):
-    """`dot_general` for a product whose `rhs` XLA converts from 8 bits inside the product (the
-    8-bit layers' product without the Pallas kernel): on a GPU a single row runs as two at any
-    size, for which XLA's fused conversion takes a faster kernel (`bench/results`). The callers
-    pass rows flattened to [T, K]."""
-    if jax.default_backend() == "gpu" and _one_row(lhs, dimension_numbers):
-        return dot_general(_with_zero_row(lhs, dimension_numbers), rhs, dimension_numbers, **kwargs)[:1]
-    return dot_general(lhs, rhs, dimension_numbers, **kwargs)
+# The 8-bit layers' product without the Pallas kernel (`quantized_matmul_reference`'s dot_general).
+converted_dot_general = functools.partial(dot_general, converted=True)
 
 
 def linear(

@@ -61,6 +61,18 @@ def test_which_one_row_products_run_as_two(shape, backend, dtype, expect):
     assert not runs_as_two_rows(two_rows, jax.ShapeDtypeStruct((K, N), dtype), NN, backend)
 
 
+def test_converted_one_row_products_run_as_two_on_a_gpu_at_any_size():
+    """8-bit weights converted inside the product: two rows on a GPU whatever the shape (even
+    where a float one stays a reduce or a matrix kernel), CPU's rule on a CPU."""
+    one_row = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    for shape, backend, expect in [((4096, 4096), "gpu", True), ((4096, 32), "gpu", True),
+                                   ((4096, 4096), "tpu", False), ((4096, 4096), "cpu", True)]:
+        rhs = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        assert runs_as_two_rows(one_row, rhs, NN, backend, converted=True) is expect
+    assert not runs_as_two_rows(jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16),
+                                jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16), NN, "gpu", converted=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA GPU's lowering")
 def test_one_row_o_proj_is_a_matrix_kernel_on_the_gpu():
