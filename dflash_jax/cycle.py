@@ -160,6 +160,7 @@ class PenaltyRows:
     data_fields=[
         "target", "draft_page_tables", "slots_R", "verify_rows_RQ", "anchor_pos_R", "verifying_R", "remaining_R",
         "next_prefill_tokens_R", "stop_ids_RE", "sampling", "adjustment", "penalties", "restore_R", "save_R",
+        "last_pos_R",
     ],
     meta_fields=[],
 )
@@ -183,6 +184,10 @@ class CycleBatch:
     # from in place of its slot's, and where its state after the row is saved; -1: none
     restore_R: jax.Array | None = None
     save_R: jax.Array | None = None
+    # The last position each row may reach. A request resumed after preemption drafts its next
+    # block in its last recomputed chunk, which commits nothing: this sizes that block's tail as
+    # an uninterrupted request's (None: only committing rows' drafts are verified)
+    last_pos_R: jax.Array | None = None
 
 
 @functools.partial(
@@ -436,6 +441,9 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
         anchor_pos_S=with_slot_rows(state.anchor_pos_S, batch.slots_R, next_anchor_pos_R, new_anchor_R),
     )
     if n:
+        left_after_R = batch.remaining_R - count_R  # tokens a row may commit after the next anchor
+        if batch.last_pos_R is not None:
+            left_after_R = jnp.where(samples_R, left_after_R, batch.last_pos_R - next_anchor_pos_R)
         draft_caches, draft_logits_RNV, draft_hidden_RND = draft_step(
             target, models[1], state.draft_caches, batch.draft_page_tables, batch.target, features,
             num_rejected_R=jnp.where(batch.verifying_R, n - accepted_R, 0),
@@ -443,7 +451,7 @@ def speculative_cycle(models, state: DecodeState, batch: CycleBatch, cfg: CycleC
             last_sampled_R=next_anchor_R,
             next_prefill_tokens_R=batch.next_prefill_tokens_R,
             num_drafts=n, draft_block_size=cfg.draft_block_size, max_model_len=cfg.max_model_len,
-            kernels=cfg.kernels, block_lens_R=tail_block_lens(batch.remaining_R - count_R, cfg.draft_block_size),
+            kernels=cfg.kernels, block_lens_R=tail_block_lens(left_after_R, cfg.draft_block_size),
             context_weights=context_weights,
         )
         with jax.named_scope("sample_drafts"):

@@ -138,8 +138,8 @@ def _view(buffer, shape, offset: int, dtype: str):
     return field.reshape(shape)
 
 
-def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
-    """(the step's `CycleBatch`, each row's last position, the step's cycles) from
+def unpack(buffer, layout) -> tuple[CycleBatch, object]:
+    """(the step's `CycleBatch`, the step's cycles) from
     `StepInputs`' buffer and static layout. The batch's `remaining_R` holds the rows' `samples`
     flags: the step turns them into counts once the verify rows' anchor positions are known."""
     f = {name: _view(buffer, shape, offset, dtype) for name, shape, offset, dtype in layout}
@@ -157,6 +157,6 @@ def unpack(buffer, layout) -> tuple[CycleBatch, object, object]:
         adjustment=LogitsAdjustment(bias_ids_RW=f["bias_ids"], bias_RW=f["bias"], min_stop_pos_R=f["min_stop_pos"]),
         penalties=PenaltyRows(presence_R=f["presence"], frequency_R=f["frequency"], repetition_R=f["repetition"],
                               prompt_len_R=f["prompt_len"]),
-        restore_R=f["restore_state"], save_R=f["save_state"],
+        restore_R=f["restore_state"], save_R=f["save_state"], last_pos_R=f["last_pos"],
     )
-    return batch, f["last_pos"], f["cycles"][0]
+    return batch, f["cycles"][0]

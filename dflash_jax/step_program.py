@@ -100,7 +100,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
     def step(param_leaves, state, buffer, layout, greedy, logprobs, adjusts_logits, penalizes):
         _traces[0] += 1
         models = unflatten_models(treedefs, param_leaves)
-        batch, last_pos_R, cycles = unpack(buffer, layout)
+        batch, cycles = unpack(buffer, layout)
         tables = batch.draft_page_tables  # drafter groups without pages of their own share the target's
         tables += tables[:1] * (len(state.draft_caches) - len(tables))
         batch = dataclasses.replace(batch, draft_page_tables=tables)
@@ -116,7 +116,7 @@ def executables(treedefs, cfg: CycleConfig, max_cycles: int, platform: str) -> E
             Also whether any row has tokens left to commit after it."""
             with jax.named_scope("fill_verify_rows"):
                 rows = fill_verify_rows(batch, state)
-                remaining_R = jnp.where(samples_R & ~stopped_R, last_pos_R - rows.anchor_pos_R, 0)
+                remaining_R = jnp.where(samples_R & ~stopped_R, batch.last_pos_R - rows.anchor_pos_R, 0)
             state, committed = speculative_cycle(models, state, dataclasses.replace(rows, remaining_R=remaining_R),
                                                  cycle_cfg, context_weights=context_weights)
             # The donated state comes back placed as it went in (see Engine._whole).

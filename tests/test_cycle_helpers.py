@@ -312,8 +312,8 @@ def test_step_inputs_fill():
 def test_unpack_round_trip_under_jit():
     inputs = filled_step_inputs()
     inputs.cycles[0] = 3  # as if every row verified
-    batch, last_pos_R, cycles = jax.jit(unpack, static_argnums=1)(jnp.asarray(inputs.buffer), inputs.layout)
-    assert as_list(last_pos_R) == [14, 136, 0] and int(cycles) == 3
+    batch, cycles = jax.jit(unpack, static_argnums=1)(jnp.asarray(inputs.buffer), inputs.layout)
+    assert as_list(batch.last_pos_R) == [14, 136, 0] and int(cycles) == 3
     target = batch.target
     assert as_list(target.token_ids) == inputs.tokens.tolist()
     assert as_list(target.positions) == inputs.positions.tolist()
@@ -340,7 +340,7 @@ def test_unpack_round_trip_under_jit():
 
 def test_fill_verify_rows_takes_verify_rows_from_the_state():
     inputs = filled_step_inputs()
-    batch, _, _ = unpack(jnp.asarray(inputs.buffer), inputs.layout)
+    batch, _ = unpack(jnp.asarray(inputs.buffer), inputs.layout)
     state = DecodeState(
         target_cache=PagedKVCache((), (), PAGE),  # only its page size is read
         draft_caches=(),

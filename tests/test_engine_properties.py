@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dflash_jax
@@ -45,7 +45,8 @@ request = st.fixed_dictionaries({
 
 
 def run(engine, requests):
-    """Outputs of the valid requests (None where aborted), stepping until none is left."""
+    """Outputs of the valid requests, the aborted ones among them and the requests' ids (by
+    index), stepping until none is left."""
     ids = {}
     for i, r in enumerate(requests):
         if r["malformed"] is not None:
@@ -64,18 +65,42 @@ def run(engine, requests):
             if requests[i]["abort_at"] == steps:
                 engine.abort(request_id)
                 aborted.add(i)
-    return {i: engine.output(request_id) for i, request_id in ids.items()}, aborted
+    return {i: engine.output(request_id) for i, request_id in ids.items()}, aborted, ids
+
+
+def plain(prompt, max_new_tokens, temperature=0.0):
+    """A valid request of the strategy's shape, with seed 0 and no stops or aborts."""
+    return dict(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=0, stop=(), abort_at=None,
+                malformed=None)
+
+
+# The sampled request is preempted after its first token; resumed, it drafts its next block
+# in a recomputed chunk that commits nothing, across the whole block as if never stopped.
+PREEMPTED_AFTER_ITS_FIRST_TOKEN = [plain([1], 1), plain([1], 12), plain([1] * 6, 3), plain([28, 1], 3, temperature=0.8)]
+
+
+def test_a_sampled_request_preempted_after_its_first_token_draws_the_same_tokens(pair):
+    target, drafter = pair
+    outputs, preemptions = [], []
+    for num_pages in (None, 12):
+        engine = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, num_pages=num_pages)
+        tokens, _, ids = run(engine, PREEMPTED_AFTER_ITS_FIRST_TOKEN)
+        outputs.append(tokens[3])
+        preemptions.append(engine.stats(ids[3]).num_preemptions)
+    assert preemptions == [0, 1]
+    assert outputs[1] == outputs[0]
 
 
 @pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request, min_size=1, max_size=5))
+@example(requests=PREEMPTED_AFTER_ITS_FIRST_TOKEN)
 def test_each_request_is_what_it_would_be_alone(pair, requests):
     target, drafter = pair
     tight = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4, num_pages=12, cycles_per_step=3)
-    outputs, aborted = run(tight, requests)
+    outputs, aborted, _ = run(tight, requests)
     ample = Engine(target, drafter, max_num_reqs=4, max_num_tokens=32, page_size=4)
-    expected, _ = run(ample, [dict(r, abort_at=None) for r in requests])
+    expected, _, _ = run(ample, [dict(r, abort_at=None) for r in requests])
     for i, tokens in outputs.items():
         if i in aborted:
             assert tokens == expected[i][: len(tokens)]  # a prefix of what it would have said
