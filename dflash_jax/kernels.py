@@ -5,8 +5,8 @@ DFlash layout, the residual add + RMSNorm, the heads' finish (q/k norm, RoPE, K/
 write), the 8-bit weights' product, the routed experts' product (with their router's top k)
 and the gated delta rule (hybrid targets' linear attention). "auto" means the Pallas kernel
 on a GPU, the jnp reference elsewhere (where Pallas could only run in its slow interpret
-mode); the 8-bit product on one GPU is "pallas_or_xla" (XLA's multiply and reduce at one
-token; the kernel, or XLA's product for per-column weights where that is faster), on a mesh the reference (XLA partitions it; a Pallas call it
+mode); the 8-bit product on one GPU is "pallas_or_xla" (the kernel, or XLA's product for
+per-column weights where that is faster), on a mesh the reference (XLA partitions it; a Pallas call it
 could not), while the experts' kernel runs per device inside the expert split and the delta
 rule's per shard of the heads (or as the reference where the heads stay whole). `resolve()`
 replaces "auto" by what it means on this backend; the resolved value travels in each
@@ -40,9 +40,7 @@ from pallas_kernels.paged_attention import (
     default_block_q, default_kv_splits, paged_attention_pallas, query_blocks,
 )
 from pallas_kernels.paged_attention_reference import paged_attention_reference
-from pallas_kernels.quantized_matmul import (
-    quantized_matmul_one_row, quantized_matmul_pallas, quantized_matmul_reference,
-)
+from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 from pallas_kernels.rms_norm import add_rms_norm_pallas, add_rms_norm_reference
 from pallas_kernels.router import route_pallas, route_reference
 from pallas_kernels.rule_inputs import rule_inputs_pallas
@@ -73,9 +71,9 @@ class Kernels:
     """The implementation of each kernel: "auto", "reference" (jnp) or "pallas" (layout: also
     "triton", the jax-triton kernel; recurrence: also "fused", the Pallas rule that computes
     its own inputs, convolution and norms, and "fused_decode", that rule in steps of one token
-    a row and "pallas" in the others; quantized: also "pallas_or_xla", XLA's reduce at one
-    token, else the Pallas kernel, or XLA's product for weights scaled per column where its
-    fused conversion is the faster: `_pallas_or_xla`). Hashable: a static jit argument."""
+    a row and "pallas" in the others; quantized: also "pallas_or_xla", the Pallas kernel, or
+    XLA's product for weights scaled per column where its fused conversion is the faster:
+    `_pallas_or_xla`). Hashable: a static jit argument."""
 
     attention: str = "auto"
     layout: str = "auto"
@@ -204,21 +202,18 @@ REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()}
 
 
 # Calls of these many tokens run per-column 8-bit products faster through the Pallas kernel
-# than through XLA's fused conversion; larger calls the other way round (bench/results).
+# than through XLA's fused conversion; one token and larger calls the other way round
+# (bench/results).
 PER_COLUMN_KERNEL_TOKENS = range(2, 65)
 
 
 def _pallas_or_xla(x, values, scales, block_in, *, transposed=False, reference):
-    """The 8-bit product of `Kernels(quantized="pallas_or_xla")`: at one token XLA's multiply
-    and reduce (`quantized_matmul_one_row`); the Pallas kernel where scales come per block of
-    input rows, and where they come per column for calls of `PER_COLUMN_KERNEL_TOKENS`
-    tokens; `reference` (XLA's product) for per-column calls of more tokens. So a one-token
-    step and a verify block run different products, whose last bits may differ
-    (`quantized="pallas"` keeps them alike)."""
-    tokens = math.prod(x.shape[:-1])
-    if tokens == 1:
-        return quantized_matmul_one_row(x, values, scales, block_in, transposed=transposed)
-    if block_in is None and tokens not in PER_COLUMN_KERNEL_TOKENS:
+    """The 8-bit product of `Kernels(quantized="pallas_or_xla")`: the Pallas kernel where
+    scales come per block of input rows, and where they come per column for calls of
+    `PER_COLUMN_KERNEL_TOKENS` tokens; `reference` (XLA's product) for the other calls. So
+    with per-column weights a one-token step and a verify block run different products, whose
+    last bits may differ (`quantized="pallas"` keeps them alike)."""
+    if block_in is None and math.prod(x.shape[:-1]) not in PER_COLUMN_KERNEL_TOKENS:
         return reference(x, values, scales, block_in, transposed=transposed)
     return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed)
 
@@ -242,8 +237,8 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument(
         "--kernels", type=parse, default=Kernels(), metavar="NAME=IMPL,...",
         help="implementation of each kernel: attention, layout, norm, heads, quantized (8-bit weights' "
-        "product; also pallas_or_xla: XLA's multiply and reduce in calls of one token, else Pallas, but XLA's product for "
-        "per-column scales in calls of more than 64 tokens: the GPU's auto), "
+        "product; also pallas_or_xla: Pallas, but XLA for per-column scales in calls of one token or more than 64 "
+        "tokens: the GPU's auto), "
         "experts (routed experts' product), recurrence (gated delta rule) = auto | reference | pallas (layout also triton; "
         "recurrence also fused: the convolution and norms inside the rule's kernel, and fused_decode: fused in "
         "steps of one token a row, pallas in the others); rule_inputs = auto | reference | pallas: the rule's "

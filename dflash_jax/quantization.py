@@ -5,9 +5,9 @@ Only the weights are quantized: a product converts its 8-bit values to the activ
 (exactly), multiplies, and scales the float32 result (`pallas_kernels.quantized_matmul`: a
 Pallas kernel, or XLA's product with the conversion fused, as `Kernels.quantized` chooses).
 The kernel and the CPU's product each compute a row alike whatever the rows beside it, so a
-verify block computes exactly what single steps compute. The GPU's default computes one-token
-steps as XLA's multiply and reduce and verify blocks through the kernel, whose last bits may
-then differ (as bf16 cuBLAS products' do; `quantized="pallas"` keeps them alike).
+verify block computes exactly what single steps compute. The GPU's default sends per-column
+weights through XLA in one-token steps and through the kernel in verify blocks, whose last
+bits may then differ (as bf16 cuBLAS products' do; `quantized="pallas"` keeps them alike).
 Activations are never quantized (per block they would not be).
 
 A weight `[in, out]` holds 8-bit values with one float32 scale per output column and block of

@@ -4,8 +4,8 @@ one Pallas kernel that reads the 8-bit values from memory and converts them in r
 
 At decode and verify shapes (a few rows) a product is bound by reading its weight: 8-bit
 values halve the bytes of bf16 ones, but XLA's products convert an 8-bit operand through a
-bf16 copy where scales come per block of input rows, and its multiply and reduce reads the
-weight once per row (fast for one row alone: `quantized_matmul_one_row`). Here each program owns `block_n` output
+bf16 copy where scales come per block of input rows, and its multiply-reduce form reads the
+weight once per row. Here each program owns `block_n` output
 columns and, with `splits` > 1, one share of the input rows (split-K: enough programs to
 fill the GPU when a matrix has few column blocks); shares are summed by XLA afterwards.
 
@@ -57,34 +57,6 @@ def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, do
     # a verify block must compute what single steps compute
     y_TO = functools.reduce(operator.add, (scaled[r] for r in range(rows)))
     return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
-
-
-def quantized_matmul_one_row(x_TI, values_IO, scales, block_in: int | None, *, transposed: bool = False):
-    """`quantized_matmul_reference` (same arguments and result) for an x of one row, as XLA's
-    multiply and reduce over the 8-bit values, converted in the reduce's input: at one row the
-    fastest read of 8-bit weights on a GPU found (bench/results), where each further row would
-    read the weight again. The products are exact in float32, as the reference's; only the
-    order of the sums differs. A block of input rows that does not divide K takes the
-    reference (a padded weight would be a copy)."""
-    *lead, K = x_TI.shape
-    if math.prod(lead) != 1:
-        raise ValueError(f"quantized_matmul_one_row takes one row, got x of shape {x_TI.shape}.")
-    if block_in is not None and K % block_in:
-        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed)
-    x = x_TI.reshape(K).astype(jnp.float32)
-    values = values_IO.astype(jnp.float32)  # [N, K] if transposed, else [K, N]
-    if block_in is None:
-        y = jnp.sum(values * (x[None, :] if transposed else x[:, None]), axis=1 if transposed else 0) * scales[0]
-    else:
-        rows = K // block_in
-        x = x.reshape(rows, block_in)
-        if transposed:
-            partial_OR = jnp.sum(values.reshape(-1, rows, block_in) * x[None], axis=2)
-            y = jnp.sum(partial_OR * scales.T, axis=1)
-        else:
-            partial_RO = jnp.sum(values.reshape(rows, block_in, -1) * x[:, :, None], axis=1)
-            y = jnp.sum(partial_RO * scales, axis=0)
-    return y.astype(x_TI.dtype).reshape(*lead, -1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,7 @@ import pytest
 from dflash_jax.kernels import Kernels
 from dflash_jax.quantization import WeightQuantization, quantize
 from pallas_kernels.quantized_matmul import (
-    Tiling, default_tiling, output_major_tiling, quantized_matmul_one_row, quantized_matmul_pallas,
-    quantized_matmul_reference,
+    Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
 )
 
 
@@ -50,24 +49,6 @@ def test_kernel_matches_reference_and_oracle(rows, K, N, weights, block_in):
     np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * scale * np.sqrt(K / 256))
     np.testing.assert_allclose(np.asarray(transposed), expected, atol=2e-6 * scale * np.sqrt(K / 256))
     np.testing.assert_allclose(np.asarray(reference), expected, atol=2e-6 * scale * np.sqrt(K / 256))
-
-
-@pytest.mark.parametrize("K,weights,block_in", [(512, "int8", None), (512, "fp8", 128), (576, "int8", 128),
-                                                (112, "int8", 48)])
-def test_one_row_reduce_matches_the_oracle(K, weights, block_in):
-    """Both layouts, float32 and bfloat16 rows, leading axes; a block that does not divide K
-    (112 rows in blocks of 48) takes the reference."""
-    values, scales = weight(K, 96, weights, block_in)
-    x = np.random.default_rng(3).normal(size=(1, 1, K))
-    expected = oracle(x.reshape(1, K), values, scales, block_in).reshape(1, 1, 96)
-    for dtype, tolerance in ((jnp.float32, 2e-6 * np.sqrt(K / 256)), (jnp.bfloat16, 1e-2)):
-        for transposed in (False, True):
-            got = quantized_matmul_one_row(jnp.asarray(x, dtype), values.T if transposed else values, scales,
-                                           block_in, transposed=transposed)
-            assert got.shape == (1, 1, 96) and got.dtype == dtype
-            np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=tolerance * np.abs(expected).max())
-    with pytest.raises(ValueError, match="takes one row"):
-        quantized_matmul_one_row(jnp.zeros((2, K)), values, scales, block_in)
 
 
 def test_bfloat16_rows_and_leading_axes():
@@ -187,14 +168,12 @@ def test_kernels_choose_the_product(monkeypatch):
         patched.setattr(jax, "default_backend", lambda: "gpu")
         assert Kernels().resolve().quantized == "pallas_or_xla"
     assert Kernels.parse("quantized=pallas").quantized_matmul(jax.lax.dot_general) is quantized_matmul_pallas
-    # pallas_or_xla: one token, the one-row reduce; more, the kernel for 128-row blocks;
-    # per-column scales: the kernel for 2-64 tokens, the reference past 64 (leading axes counted)
+    # pallas_or_xla: the kernel for 128-row blocks; per-column scales: the kernel for 2-64
+    # tokens, the reference for one and for more than 64 (leading axes counted)
     product = Kernels(quantized="pallas_or_xla").quantized_matmul(jax.lax.dot_general)
-    calls, one_row_calls = [], []
+    calls = []
     monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_pallas", lambda *a, **k: calls.append(
         (a[0].shape[:-1], a[3])) or quantized_matmul_pallas(*a, **k, interpret=True))
-    monkeypatch.setattr("dflash_jax.kernels.quantized_matmul_one_row", lambda *a, **k: one_row_calls.append(
-        (a[0].shape[:-1], a[3])) or quantized_matmul_one_row(*a, **k))
     shapes = [(1,), (2,), (64,), (65,), (2, 40)]
     for lead in shapes:
         x = jnp.asarray(np.random.default_rng(len(lead)).normal(size=(*lead, 512)), jnp.float32)
@@ -203,7 +182,7 @@ def test_kernels_choose_the_product(monkeypatch):
             got = product(x, values.T, scales, block_in, transposed=True)
             expected = oracle(x.reshape(-1, 512), values, scales, block_in).reshape(*lead, 256)
             np.testing.assert_allclose(np.asarray(got), expected, atol=2e-6 * np.abs(got).max() * 2)
-    assert one_row_calls == [((1,), 128), ((1,), None)]
-    assert calls == [((2,), 128), ((2,), None), ((64,), 128), ((64,), None), ((65,), 128), ((2, 40), 128)]
+    assert calls == [((1,), 128), ((2,), 128), ((2,), None), ((64,), 128), ((64,), None), ((65,), 128),
+                     ((2, 40), 128)]
     with pytest.raises(ValueError, match="the quantized kernel must be one of"):
         Kernels(quantized="triton")
