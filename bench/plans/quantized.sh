@@ -7,7 +7,8 @@
 #
 #   OUT=... bash bench/plans/quantized.sh COMMIT        # POINTS (default 1x1k), BLOCKS (16),
 #                                                        # SECTIONS (generate,steps), VARIANTS,
-#                                                        # MODEL (a bench.shapes name, e.g. qwen3_5-9b)
+#                                                        # MODEL (a bench.shapes name, e.g. qwen3_5-9b),
+#                                                        # ARGS (more bench.decode.speed arguments, e.g. --profile)
 #   OUT=/tmp/q SMALL=1 bash bench/plans/quantized.sh HEAD   # CPU smoke test
 source "$(dirname "$0")/common.sh"
 for variant in ${VARIANTS:-bf16 int8 fp8}; do
@@ -22,6 +23,6 @@ for variant in ${VARIANTS:-bf16 int8 fp8}; do
     model=()
     [ -n "${MODEL:-}" ] && model=(--model "$(big "$MODEL" "small-${MODEL%%-*}")")
     decode "q-${MODEL:+$MODEL-}${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
-        --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${model[@]}" "${quantize[@]}"
+        --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${model[@]}" "${quantize[@]}" ${ARGS:-}
 done
 python3 -m bench.decode.summary "$out"
