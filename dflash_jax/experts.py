@@ -59,30 +59,32 @@ def swiglu(pairs, experts: ExpertsConfig):
 
 
 def experts_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul=None,
-                    block_in: int | None = None):
+                    block_in: int | None = None, *, dropped_ids: bool = True):
     """sum over k of weights[t, k] * expert expert_ids[t, k] applied to x[t]. `params`:
     "gate_up" [experts, D, 2 * inter], "down" [experts, inter, D] (and with biases
     "gate_up_bias" [experts, 2 * inter], "down_bias" [experts, D]; 8-bit experts: with
     "gate_up_scale" and "down_scale" [experts, rows, columns], a float32 scale per column and
     block of `block_in` input rows, or per column with `block_in` None); `weights`, `expert_ids`
-    [T, top_k]; an id equal to the number of experts (one another shard holds) adds nothing.
+    [T, top_k]; an id equal to the number of experts (one another shard holds) adds nothing
+    (`dropped_ids` False: no id is, which spares the kernel's layout those checks).
     `grouped_matmul`: None for XLA's `ragged_dot` over the pairs sorted by expert, or
     `grouped_matmul_pallas`'s signature over the pairs laid out in tiles of one expert (the
     tokens' rows gathered into them by the product).
     Usable under `vmap` (the trainer maps the target over a batch of sequences): neither
     product has a batching rule, but the product is token by token, so a batch of token sets
     is one set of all their tokens."""
-    return _token_wise(experts, grouped_matmul, block_in)(x_TD, params, weights, expert_ids)
+    return _token_wise(experts, grouped_matmul, block_in, dropped_ids)(x_TD, params, weights, expert_ids)
 
 
 @functools.lru_cache(maxsize=None)
-def _token_wise(experts: ExpertsConfig, grouped_matmul, block_in: int | None):
+def _token_wise(experts: ExpertsConfig, grouped_matmul, block_in: int | None, dropped_ids: bool):
     @jax.custom_batching.custom_vmap
     def product(x_TD, params, weights, expert_ids):
         if grouped_matmul is None or not _tiles_fit(params, expert_ids.shape[1], block_in):
             return sorted_pairs_product(x_TD, float_experts(params, block_in, x_TD.dtype), weights, expert_ids,
                                         experts)
-        return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul, block_in)
+        return _tiled_pairs_product(x_TD, params, weights, expert_ids, experts, grouped_matmul, block_in,
+                                    dropped_ids)
 
     @product.def_vmap
     def batched(axis_size, in_batched, x_TD, params, weights, expert_ids):
@@ -151,14 +153,14 @@ def sorted_pairs_product(x_TD, params: dict, weights, expert_ids, experts: Exper
 
 
 def _tiled_pairs_product(x_TD, params: dict, weights, expert_ids, experts: ExpertsConfig, grouped_matmul,
-                         block_in: int | None):
+                         block_in: int | None, dropped_ids: bool):
     """The pairs in tiles of one expert each (`expert_tiles`), both products by
     `grouped_matmul`: only the routed experts' matrices are read (8-bit ones converted in the
     kernel)."""
     T, top_k = expert_ids.shape
     num_experts = params["gate_up"].shape[0]
     ids = expert_ids.reshape(-1)
-    tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts), top_k)
+    tiles = expert_tiles(ids, num_experts, tile_rows(ids.size, num_experts), top_k, dropped_ids=dropped_ids)
     G, M = tiles.pair_GM.shape
 
     def product(rows, name):
@@ -226,7 +228,7 @@ class RoutedExperts(nnx.Module):
         params = {name: getattr(self, name)[...] for name in names if hasattr(self, name)}
         if self.mesh is None:
             return experts_product(x_TD, params, weights, expert_ids, self.experts, kernels.grouped_matmul,
-                                   self.block_in)
+                                   self.block_in, dropped_ids=False)
         if self.experts.num_experts % tensor_parallel_size(self.mesh):  # XLA partitions the reference, not a kernel
             return experts_product(x_TD, params, weights, expert_ids, self.experts, block_in=self.block_in)
 

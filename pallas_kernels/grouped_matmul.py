@@ -66,15 +66,20 @@ def pairs_tile_alone(num_pairs: int, top_k: int) -> bool:
     return num_pairs <= top_k
 
 
-def expert_tiles(expert_ids_P, num_experts: int, block_m: int, top_k: int) -> ExpertTiles:
+def expert_tiles(expert_ids_P, num_experts: int, block_m: int, top_k: int, *, dropped_ids: bool = True) -> ExpertTiles:
     """`expert_ids_P` [P] (ids >= num_experts are dropped: another shard's experts; `top_k`
     a token's pairs) as tiles of `block_m` rows of one expert each: one tile per pair
     (`pairs_tile_alone`), or the pairs grouped by expert, in expert order, in at most
     ceil(P / block_m) + min(P, num_experts) tiles (that many, the unused ones last). No sort:
-    each pair's rank among its expert's pairs is a running count."""
+    each pair's rank among its expert's pairs is a running count. `dropped_ids` False: every
+    id is below num_experts (one device holds all experts), which leaves a one-token step's
+    tiles constant but for their experts (no small kernels computing them)."""
     (P,) = expert_ids_P.shape
-    valid = expert_ids_P < num_experts
-    expert = jnp.minimum(expert_ids_P, num_experts - 1).astype(jnp.int32)
+    if dropped_ids:
+        valid = expert_ids_P < num_experts
+        expert = jnp.minimum(expert_ids_P, num_experts - 1).astype(jnp.int32)
+    else:
+        valid, expert = jnp.ones((P,), bool), expert_ids_P.astype(jnp.int32)
     if pairs_tile_alone(P, top_k):  # pair p in row 0 of tile p: no scatter needed
         row_P = jnp.where(valid, jnp.arange(P) * block_m, P * block_m)
         first_row = (jnp.arange(block_m) == 0)[None, :] & valid[:, None]

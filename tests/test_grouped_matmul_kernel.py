@@ -49,6 +49,16 @@ def test_tiles_hold_each_routed_pair_once_with_its_expert(tokens, num_experts, t
     assert used == (-(-counts // block_m)).sum()  # no more tiles than each expert's rows need
 
 
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_tiles_without_dropped_ids_are_the_checked_tiles(tokens):
+    """`dropped_ids=False` (one device holds every expert) skips the checks, not the layout."""
+    flat = jnp.asarray(routed_ids(tokens, 8, 2, seed=tokens).reshape(-1))
+    checked, unchecked = (jax.tree.map(np.asarray, expert_tiles(flat, 8, 16, 2, dropped_ids=dropped))
+                          for dropped in (True, False))
+    for a, b in zip(jax.tree.leaves(checked), jax.tree.leaves(unchecked)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_tile_rows_grow_with_the_pairs_per_expert():
     assert tile_rows(8, 128) == 16 and tile_rows(128, 128) == 16
     assert tile_rows(16 * 1024, 128) == 64
