@@ -114,14 +114,18 @@ def call_tiling(K: int, N: int, block_in: int | None, rows: int, *, transposed: 
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
-            finish: bool, transposed: bool):
+            finish: bool, transposed: bool, T: int):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
-    rows, cols = pl.ds(row_block * block_m, block_m), pl.ds(col_block * bn, bn)
+    cols = pl.ds(col_block * bn, bn)
+    # the call's rows as they are, no padded copy: rows past T load zeros and store nothing
+    row_ids = row_block * block_m + jnp.arange(block_m)
+    present = (row_ids < T)[:, None]
 
     def step(j, acc):
         k0 = (split * steps + j) * bk
-        x = x_ref[rows, pl.ds(k0, bk)]
+        x = plgpu.load(x_ref.at[jnp.minimum(row_ids, T - 1)[:, None], (k0 + jnp.arange(bk))[None, :]],
+                       mask=present, other=0)
         w = (w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols]).astype(x.dtype)
         contract = (((1,), (1 if transposed else 0,)), ((), ()))
         product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
@@ -130,12 +134,13 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
         return acc + product
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, bn), jnp.float32))
-    if finish:
-        if block_in is None:
-            acc = acc * s_ref[pl.ds(0, 1), cols]
-        o_ref[rows, cols] = acc.astype(o_ref.dtype)
-    else:
-        o_ref[split, rows, cols] = acc
+    if finish and block_in is None:
+        acc = acc * s_ref[pl.ds(0, 1), cols]
+    # each split's rows in their own T-row band of o (one band without splits); a row past T
+    # points past the end, which masked lanes never touch (interpret mode's scatter drops it)
+    out_row = jnp.where(row_ids < T, split * T + row_ids, o_ref.shape[0])
+    dest = o_ref.at[out_row[:, None], (col_block * bn + jnp.arange(bn))[None, :]]
+    plgpu.store(dest, acc.astype(o_ref.dtype), mask=present)
 
 
 def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, tiling: Tiling | None = None,
@@ -161,20 +166,18 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
                          f"block_rows is not a power of two of at least {MIN_TILE}; use default_tiling(K, N, block_in).")
     interpret = runs_interpreted(interpret)
     block_m = min(max(next_pow2(T), MIN_TILE), tiling.block_rows)
-    padded = -(-T // block_m) * block_m
-    x = jnp.pad(x_TI, ((0, padded - T), (0, 0)))
     finish = tiling.splits == 1
-    out_shape = ((padded, N), x_TI.dtype) if finish else ((tiling.splits, padded, N), jnp.float32)
+    out_shape = ((T, N), x_TI.dtype) if finish else ((tiling.splits * T, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
-                          block_in=block_in, finish=finish, transposed=transposed),
+                          block_in=block_in, finish=finish, transposed=transposed, T=T),
         out_shape=jax.ShapeDtypeStruct(*out_shape),
-        grid=(N // tiling.block_n, tiling.splits, padded // block_m),
+        grid=(N // tiling.block_n, tiling.splits, -(-T // block_m)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="quantized_matmul",
-    )(x, values_IO, scales)
+    )(x_TI, values_IO, scales)
     if finish:
-        return out[:T].reshape(*lead, N)
-    y = out[:, :T].sum(axis=0)
+        return out.reshape(*lead, N)
+    y = out.reshape(tiling.splits, T, N).sum(axis=0)
     return (y * scales[0] if block_in is None else y).astype(x_TI.dtype).reshape(*lead, N)
