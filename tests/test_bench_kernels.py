@@ -66,3 +66,32 @@ def test_product_benchmarks_record_both_clocks(module, args, tmp_path):
     assert timings and not [t for t in timings if "error" in t and not t["variant"].startswith("tokamax")]
     for t in (t for t in timings if "error" not in t):
         assert t["us"] == t["wall_us"] > 0 and t["device_us"] is None  # a CPU: the wall clock
+
+
+def test_hlo_fusions_name_what_a_profiled_kernel_runs(tmp_path):
+    """A fusion named in a profile is found in an XLA dump with the computation it calls; a
+    name the program lacks (a custom kernel's) comes back empty; a profile record's repeated
+    ops are the ones asked for."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from bench.hlo_fusions import fused_computations, largest_program, repeated_ops
+
+    dump = tmp_path / "dump"
+    program = ("import jax, jax.numpy as jnp\n"
+               "f = jax.jit(lambda x, y: jnp.tanh(x * y + 1.0).sum(axis=1))\n"
+               "f(jnp.ones((64, 32)), jnp.ones((64, 32))).block_until_ready()\n")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=300)
+    text = largest_program(str(dump))
+    names = re.findall(r"%([\w.]*fusion[\w.]*) = ", text)
+    assert names, "the dump has no fusion"
+    found = fused_computations(text, [names[0], "paged_attention_ragged__1"])
+    assert "calls=" in found[names[0]] and "tanh" in found[names[0]]
+    assert found["paged_attention_ragged__1"] == ""
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps({"results": {"profile": [{"ar": {"ops_per_iteration": [
+        ["gemm_fusion_dot_1", 36.0, 900.0], ["loop_pad_fusion_2", 72.0, 80.0], ["loop_add_fusion", 1.0, 1.2]]}}]}}))
+    assert repeated_ops(str(record)) == ["gemm_fusion_dot_1", "loop_pad_fusion_2"]

@@ -8,7 +8,9 @@
 #   OUT=... bash bench/plans/quantized.sh COMMIT        # POINTS (default 1x1k), BLOCKS (16),
 #                                                        # SECTIONS (generate,steps), VARIANTS,
 #                                                        # MODEL (a bench.shapes name, e.g. qwen3_5-9b),
-#                                                        # ARGS (more bench.decode.speed arguments, e.g. --profile)
+#                                                        # ARGS (more bench.decode.speed arguments, e.g. --profile),
+#                                                        # HLO=1 with ARGS=--profile: NAME-fusions.txt, what
+#                                                        # the AR step's repeated XLA kernels run (bench.hlo_fusions)
 #   OUT=/tmp/q SMALL=1 bash bench/plans/quantized.sh HEAD   # CPU smoke test
 source "$(dirname "$0")/common.sh"
 for variant in ${VARIANTS:-bf16 int8 fp8}; do
@@ -22,7 +24,11 @@ for variant in ${VARIANTS:-bf16 int8 fp8}; do
     [ "$weights" != "$block" ] && quantize+=(--quantize-block "${block##*-b}")
     model=()
     [ -n "${MODEL:-}" ] && model=(--model "$(big "$MODEL" "small-${MODEL%%-*}")")
-    decode "q-${MODEL:+$MODEL-}${POINTS:-1x1k}-$variant" ${LIMIT:-190} "" --points "$(big "${POINTS:-1x1k}" 1x128)" \
+    name="q-${MODEL:+$MODEL-}${POINTS:-1x1k}-$variant"
+    dump=""
+    [ -n "${HLO:-}" ] && dump="XLA_FLAGS=--xla_dump_to=/tmp/hlo-$name --xla_dump_hlo_as_text"
+    decode "$name" ${LIMIT:-190} "$dump" --points "$(big "${POINTS:-1x1k}" 1x128)" \
         --sections "${SECTIONS:-generate,steps}" --block-sizes "${BLOCKS:-16}" "${model[@]}" "${quantize[@]}" ${ARGS:-}
+    [ -n "${HLO:-}" ] && python3 -m bench.hlo_fusions "/tmp/hlo-$name" --profile "$out/$name.json" > "$out/$name-fusions.txt" 2>&1
 done
 python3 -m bench.decode.summary "$out"
