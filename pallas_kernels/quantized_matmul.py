@@ -114,7 +114,7 @@ def call_tiling(K: int, N: int, block_in: int | None, rows: int, *, transposed: 
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
-            finish: bool, transposed: bool, T: int):
+            transposed: bool, T: int):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
     cols = pl.ds(col_block * bn, bn)
@@ -134,7 +134,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
         return acc + product
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, bn), jnp.float32))
-    if finish and block_in is None:
+    if tiling.splits == 1 and block_in is None:  # per-column scales on the whole sum; else after the splits'
         acc = acc * s_ref[pl.ds(0, 1), cols]
     # each split's rows in their own T-row band of o (one band without splits); a row past T
     # points past the end, which masked lanes never touch (interpret mode's scatter drops it)
@@ -170,7 +170,7 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     out_shape = ((T, N), x_TI.dtype) if finish else ((tiling.splits * T, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
-                          block_in=block_in, finish=finish, transposed=transposed, T=T),
+                          block_in=block_in, transposed=transposed, T=T),
         out_shape=jax.ShapeDtypeStruct(*out_shape),
         grid=(N // tiling.block_n, tiling.splits, -(-T // block_m)),
         interpret=interpret,
