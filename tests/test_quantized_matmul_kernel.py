@@ -10,7 +10,7 @@ import pytest
 from dflash_jax.kernels import Kernels
 from dflash_jax.quantization import WeightQuantization, quantize
 from pallas_kernels.quantized_matmul import (
-    Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
+    Tiling, default_tiling, exact_float, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
 )
 
 
@@ -115,6 +115,19 @@ def every_code(weights):
         return codes, np.ones(256, bool)
     values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     return values, np.isfinite(np.asarray(values.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_exact_float_gives_every_code_its_value(weights, dtype):
+    """The kernel's conversion by arithmetic (int8 into float32 or bfloat16) and the plain
+    conversion (fp8, other dtypes) agree with `astype` on all 256 codes, in and out of jit."""
+    values, finite = every_code(weights)
+    for convert in (exact_float, jax.jit(exact_float, static_argnums=1)):
+        got = convert(values, dtype)
+        assert got.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32)[finite],
+                                      np.asarray(values.astype(dtype), np.float32)[finite])
 
 
 @pytest.mark.parametrize("transposed", [False, True])
