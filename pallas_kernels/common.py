@@ -1,8 +1,11 @@
 """What the kernels here share: power-of-two sizes (Triton's block shapes; the runtime's
-buckets use them too), caches stored as bits, and a quiet jax 0.11 deprecation warning."""
+buckets use them too), caches stored as bits, split-K partials summed in order, and a quiet
+jax 0.11 deprecation warning."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 
 import jax
@@ -28,6 +31,13 @@ def runs_interpreted(interpret: bool | None) -> bool:
     if not interpret:
         quiet_triton_deprecation()
     return interpret
+
+
+def sum_in_order(partials):
+    """The sum over the leading axis of split-K `partials`, one after another: XLA's reduce
+    may order its sum by the other axes' sizes (XLA CPU's does), and a row's result must not
+    depend on the rows that share its call (a verify block computes what single steps do)."""
+    return functools.reduce(operator.add, tuple(partials))
 
 
 def next_pow2(n: int) -> int:

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, runs_interpreted
+from pallas_kernels.common import next_pow2, runs_interpreted, sum_in_order
 from pallas_kernels.quantized_matmul import MIN_TILE, Tiling, default_tiling
 
 MAX_BLOCK_M = 64  # rows per tile at most (prefill shapes)
@@ -197,4 +197,4 @@ def grouped_matmul_pallas(x, weights_EKN, tiles: ExpertTiles, *, top_k: int, sca
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="grouped_matmul",
     )(x, tiles.pair_GM, weights_EKN.reshape(E * K, N), *scales, tiles.expert_G, tiles.used_G.astype(jnp.int32))
-    return out[0] if tiling.splits == 1 else out.sum(axis=0)
+    return sum_in_order(out)

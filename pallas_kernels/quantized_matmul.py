@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2, next_pow2, runs_interpreted
+from pallas_kernels.common import is_pow2, next_pow2, runs_interpreted, sum_in_order
 
 MIN_TILE = 16  # Triton's smallest product tile
 _INT8_BIAS_BITS = 0x4B000080  # float32 bits of 2**23 + 128: int8 v lands in the mantissa as 2**23 + 128 + v
@@ -79,10 +78,7 @@ def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, do
     x_blocks = jnp.pad(x_TI.reshape(-1, K), ((0, 0), (0, pad))).reshape(-1, rows, block_in)
     value_blocks = jnp.pad(values, ((0, pad), (0, 0))).reshape(rows, block_in, -1)
     y_blocks = dot_general(x_blocks, value_blocks, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-    scaled = y_blocks * scales[:, None, :]
-    # block after block: a reduce's order may depend on the number of rows (XLA CPU's does), and
-    # a verify block must compute what single steps compute
-    y_TO = functools.reduce(operator.add, (scaled[r] for r in range(rows)))
+    y_TO = sum_in_order(y_blocks * scales[:, None, :])  # block after block
     return y_TO.reshape(*lead, -1).astype(x_TI.dtype)
 
 
@@ -230,6 +226,5 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     )(x_TI, values_IO, scales)
     if finish:
         return out.reshape(*lead, columns)
-    # split after split, as the reference sums its blocks: a reduce's order may depend on the rows
-    y = functools.reduce(operator.add, tuple(out.reshape(tiling.splits, T, N)))
+    y = sum_in_order(out.reshape(tiling.splits, T, N))
     return (y * scales[0] if block_in is None else y).astype(x_TI.dtype).reshape(*lead, N)
