@@ -9,8 +9,9 @@ import pytest
 
 from dflash_jax.kernels import Kernels
 from dflash_jax.quantization import WeightQuantization, quantize
+from pallas_kernels.common import exact_float
 from pallas_kernels.quantized_matmul import (
-    Tiling, default_tiling, exact_float, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
+    Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
 )
 
 
