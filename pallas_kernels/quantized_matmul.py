@@ -128,12 +128,13 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: 
     # the call's rows as they are, no padded copy: rows past T load zeros and store nothing
     row_ids = row_block * block_m + jnp.arange(block_m)
     present = (row_ids < T)[:, None]
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # float32 stays float32, not TF32
 
     def product(x, k0, start):
         cols = pl.ds(start, bn)
         w = exact_float(w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols], x.dtype)
         contract = (((1,), (1 if transposed else 0,)), ((), ()))
-        y = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
+        y = lax.dot_general(x, w, contract, precision=precision, preferred_element_type=jnp.float32)
         return y * s_ref[pl.ds(k0 // block_in, 1), cols] if block_in is not None else y
 
     def step(j, accs):
