@@ -435,21 +435,11 @@ def paged_attention_pallas(
     # The flash-decoding epilogue, left to XLA: as one Pallas kernel (a program per query row)
     # it was slower than XLA's fused kernels (bench/LESSONS.md). s: key splits.
     acc_sMH = outs[0].reshape(splits, rows, H)
-    max_sMH, sum_sMH = (jnp.broadcast_to(out.reshape(splits, rows, 1), acc_sMH.shape) for out in outs[1:])
-    # one variadic reduce merges the splits' (max, sum, accumulator) as the kernel's online
-    # softmax merges chunks: one XLA kernel, where a max, then two weighted sums took three
-    top_MH, total_MH, out_MH = lax.reduce((max_sMH, sum_sMH, acc_sMH), (_NEG_INIT, 0.0, 0.0), _merge_splits, (0,))
-    total_M = total_MH[:, 0]
+    max_sM, sum_sM = outs[1].reshape(splits, rows), outs[2].reshape(splits, rows)
+    top_M = jnp.max(max_sM, axis=0)
+    weight_sM = jnp.exp(max_sM - top_M)
+    total_M = jnp.sum(weight_sM * sum_sM, axis=0)
     if cfg.sinks:
-        total_M = total_M + jnp.exp(jnp.tile(sinks_U, T) - top_MH[:, 0])
-    out_MH = out_MH / jnp.maximum(total_M, 1e-30)[:, None]
+        total_M = total_M + jnp.exp(jnp.tile(sinks_U, T) - top_M)
+    out_MH = jnp.sum(weight_sM[..., None] * acc_sMH, axis=0) / jnp.maximum(total_M, 1e-30)[:, None]
     return out_MH.reshape(T, U, H).astype(q_TUH.dtype)
-
-
-def _merge_splits(a, b):
-    """Two key splits' (running max, sum of exponentials, accumulator) as one. `_NEG_INIT` as
-    the max with zeros is the identity: every split's max is at least `_NEG_INIT`."""
-    (max_a, sum_a, acc_a), (max_b, sum_b, acc_b) = a, b
-    top = jnp.maximum(max_a, max_b)
-    weight_a, weight_b = jnp.exp(max_a - top), jnp.exp(max_b - top)
-    return top, sum_a * weight_a + sum_b * weight_b, acc_a * weight_a + acc_b * weight_b
