@@ -130,8 +130,8 @@ class Kernels:
         return finish_heads_pallas if self._chosen("heads") == "pallas" else finish_heads_reference
 
     def quantized_matmul(self, dot_general):
-        """`quantized_matmul_reference`'s (x, values, scales, block_in, transposed=, gated=) as
-        this value computes it; the reference's products go through `dot_general`."""
+        """`quantized_matmul_reference`'s (x, values, scales, block_in, transposed=) as this
+        value computes it; the reference's products go through `dot_general`."""
         chosen = self._chosen("quantized")
         reference = functools.partial(quantized_matmul_reference, dot_general=dot_general)
         if chosen == "pallas_or_xla":
@@ -207,15 +207,15 @@ REFERENCE = Kernels(**{name: elsewhere for name, (_, elsewhere) in AUTO.items()}
 PER_COLUMN_KERNEL_TOKENS = range(2, 65)
 
 
-def _pallas_or_xla(x, values, scales, block_in, *, transposed=False, gated=False, reference):
+def _pallas_or_xla(x, values, scales, block_in, *, transposed=False, reference):
     """The 8-bit product of `Kernels(quantized="pallas_or_xla")`: the Pallas kernel where
     scales come per block of input rows, and where they come per column for calls of
     `PER_COLUMN_KERNEL_TOKENS` tokens; `reference` (XLA's product) for the other calls. So
     with per-column weights a one-token step and a verify block run different products, whose
     last bits may differ (`quantized="pallas"` keeps them alike)."""
     if block_in is None and math.prod(x.shape[:-1]) not in PER_COLUMN_KERNEL_TOKENS:
-        return reference(x, values, scales, block_in, transposed=transposed, gated=gated)
-    return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed, gated=gated)
+        return reference(x, values, scales, block_in, transposed=transposed)
+    return quantized_matmul_pallas(x, values, scales, block_in, transposed=transposed)
 
 
 def check_kernels(kernels) -> Kernels:

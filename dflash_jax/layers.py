@@ -157,10 +157,7 @@ class MLP(nnx.Module):
                                 quantization=quantization)
 
     def __call__(self, x, kernels: Kernels = REFERENCE):
-        gate_up_proj = self.gate_up_proj
-        if isinstance(gate_up_proj, QuantizedLinear) and self.shards == 1 and gate_up_proj.bias is None:
-            return apply_linear(self.down_proj, gate_up_proj.gated(x, kernels), kernels)
-        gate_up = apply_linear(gate_up_proj, x, kernels)
+        gate_up = apply_linear(self.gate_up_proj, x, kernels)
         gate_up = gate_up.reshape(*x.shape[:-1], self.shards, 2, self.intermediate // self.shards)
         gate, up = (gate_up[..., i, :].reshape(*x.shape[:-1], self.intermediate) for i in (0, 1))
         return apply_linear(self.down_proj, jax.nn.silu(gate) * up, kernels)

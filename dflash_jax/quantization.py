@@ -234,12 +234,6 @@ class QuantizedLinear(nnx.Module):
         y = product(x, self.kernel[...], self.scale[...], self.block_in, transposed=self.output_major)
         return y if self.bias is None else y + self.bias[...]
 
-    def gated(self, x, kernels: Kernels = REFERENCE):
-        """silu(gate) * up of x @ the weight, whose columns are [gate | up] and which has no
-        bias: one kernel where the product's kernel can finish it (`quantized_matmul_pallas`)."""
-        product = kernels.quantized_matmul(self.dot_general)
-        return product(x, self.kernel[...], self.scale[...], self.block_in, transposed=self.output_major, gated=True)
-
 
 def to_output_major(target: nnx.Module) -> None:
     """Every 8-bit layer of a target with its kernel held [out, in], before the model's first

@@ -1,6 +1,6 @@
 """What the kernels here share: power-of-two sizes (Triton's block shapes; the runtime's
-buckets use them too), caches stored as bits, 8-bit weights converted exactly, split-K
-partials summed in order, and a quiet jax 0.11 deprecation warning."""
+buckets use them too), caches stored as bits, split-K partials summed in order, and a quiet
+jax 0.11 deprecation warning."""
 
 from __future__ import annotations
 
@@ -31,26 +31,6 @@ def runs_interpreted(interpret: bool | None) -> bool:
     if not interpret:
         quiet_triton_deprecation()
     return interpret
-
-
-_INT8_BIAS_BITS = 0x4B000080  # float32 bits of 2**23 + 128: int8 v lands in the mantissa as 2**23 + 128 + v
-_INT8_BIAS = 8388736.0        # 2**23 + 128
-
-
-def exact_float(values, dtype):
-    """8-bit `values` as `dtype` (float32 or bfloat16), exactly. int8 goes through integer
-    and float32 adds and a shift (full-rate instructions) instead of the GPU's conversion
-    instructions, which convert 16 values a clock per multiprocessor: at decode shapes the
-    kernel converts every weight it reads, so conversions at that rate would bound it. A
-    float32 holding an int8 value has at most 8 significant bits, so dropping its low 16
-    bits leaves the same value in bfloat16. float8_e4m3fn takes the plain conversion."""
-    if values.dtype != jnp.int8 or jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return values.astype(dtype)
-    as_f32 = jax.lax.bitcast_convert_type(values.astype(jnp.int32) + _INT8_BIAS_BITS, jnp.float32) - _INT8_BIAS
-    if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
-        return as_f32
-    high_bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(as_f32, jnp.uint32), jnp.uint32(16))
-    return jax.lax.bitcast_convert_type(high_bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def sum_in_order(partials):

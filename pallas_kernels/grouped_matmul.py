@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import exact_float, next_pow2, runs_interpreted, sum_in_order
+from pallas_kernels.common import next_pow2, runs_interpreted, sum_in_order
 from pallas_kernels.quantized_matmul import MIN_TILE, Tiling, default_tiling
 
 MAX_BLOCK_M = 64  # rows per tile at most (prefill shapes)
@@ -152,7 +152,7 @@ def _kernel(x_ref, pair_ref, w_ref, *refs, tiling: Tiling, K: int, steps: int, t
             x = plgpu.load(x_ref.at[token[:, None], (k0 + jnp.arange(bk))[None, :]], mask=filled[:, None], other=0)
         else:
             x = x_ref[g, :, pl.ds(k0, bk)]
-        w = exact_float(w_ref[pl.ds(first_row + k0, bk), cols], x.dtype)
+        w = w_ref[pl.ds(first_row + k0, bk), cols].astype(x.dtype)  # 8-bit values: exact in any float dtype
         product = lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
                                   preferred_element_type=jnp.float32)
         if block_in is not None:

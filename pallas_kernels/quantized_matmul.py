@@ -30,27 +30,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import exact_float, is_pow2, next_pow2, runs_interpreted, sum_in_order
+from pallas_kernels.common import is_pow2, next_pow2, runs_interpreted, sum_in_order
 
 MIN_TILE = 16  # Triton's smallest product tile
 
 
-def swiglu(y):
-    """silu(gate) * up of a product whose columns are [gate | up] (a gated product's result)."""
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
 def quantized_matmul_reference(x_TI, values_IO, scales, block_in: int | None, dot_general=lax.dot_general, *,
-                               transposed: bool = False, gated: bool = False):
+                               transposed: bool = False):
     """x @ dequantized W in x's dtype (x [..., K]): the 8-bit values only converted (exactly:
     int8 and e4m3 fit in bfloat16; XLA fuses the conversion into the product's operand), float32
     products scaled per column, or per column and block of input rows (products of their own,
     scaled, then summed in block order). `dot_general`: `lax.dot_general`'s signature (the library passes the
-    one its CPU products need). transposed: values given as [N, K]. gated: W's columns are
-    [gate | up] and the result is `swiglu` of the product, [..., N / 2]."""
-    if gated:
-        return swiglu(quantized_matmul_reference(x_TI, values_IO, scales, block_in, dot_general, transposed=transposed))
+    one its CPU products need). transposed: values given as [N, K]."""
     values = (values_IO.T if transposed else values_IO).astype(x_TI.dtype)
     if block_in is None:
         y = dot_general(x_TI, values, (((x_TI.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -119,49 +110,38 @@ def call_tiling(K: int, N: int, block_in: int | None, rows: int, *, transposed: 
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, tiling: Tiling, block_m: int, steps: int, block_in: int | None,
-            transposed: bool, T: int, gated: bool):
+            transposed: bool, T: int):
     col_block, split, row_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bk, bn = tiling.block_k, tiling.block_n
-    # a gated program computes a gate column block and its up block, half the weight's columns on
-    half = w_ref.shape[0 if transposed else 1] // 2
-    col_starts = (col_block * bn, half + col_block * bn) if gated else (col_block * bn,)
+    cols = pl.ds(col_block * bn, bn)
     # the call's rows as they are, no padded copy: rows past T load zeros and store nothing
     row_ids = row_block * block_m + jnp.arange(block_m)
     present = (row_ids < T)[:, None]
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # float32 stays float32, not TF32
 
-    def product(x, k0, start):
-        cols = pl.ds(start, bn)
-        w = exact_float(w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols], x.dtype)
-        contract = (((1,), (1 if transposed else 0,)), ((), ()))
-        y = lax.dot_general(x, w, contract, precision=precision, preferred_element_type=jnp.float32)
-        return y * s_ref[pl.ds(k0 // block_in, 1), cols] if block_in is not None else y
-
-    def step(j, accs):
+    def step(j, acc):
         k0 = (split * steps + j) * bk
         x = plgpu.load(x_ref.at[jnp.minimum(row_ids, T - 1)[:, None], (k0 + jnp.arange(bk))[None, :]],
                        mask=present, other=0)
-        return tuple(acc + product(x, k0, start) for acc, start in zip(accs, col_starts))
+        w = (w_ref[cols, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), cols]).astype(x.dtype)
+        contract = (((1,), (1 if transposed else 0,)), ((), ()))
+        product = lax.dot_general(x, w, contract, precision=precision, preferred_element_type=jnp.float32)
+        if block_in is not None:
+            product = product * s_ref[pl.ds(k0 // block_in, 1), cols]
+        return acc + product
 
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_m, bn), jnp.float32) for _ in col_starts))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, bn), jnp.float32))
     if tiling.splits == 1 and block_in is None:  # per-column scales on the whole sum; else after the splits'
-        accs = tuple(acc * s_ref[pl.ds(0, 1), pl.ds(start, bn)] for acc, start in zip(accs, col_starts))
-    out = accs[0].astype(o_ref.dtype)
-    if gated:  # `swiglu` of the two blocks, rounded to the result's dtype after each operation as XLA does
-        def rounded(v):
-            return v.astype(o_ref.dtype).astype(jnp.float32)
-
-        gate, up = (rounded(acc) for acc in accs)
-        out = (rounded(gate * rounded(jax.nn.sigmoid(gate))) * up).astype(o_ref.dtype)
+        acc = acc * s_ref[pl.ds(0, 1), cols]
     # each split's rows in their own T-row band of o (one band without splits); a row past T
     # points past the end, which masked lanes never touch (interpret mode's scatter drops it)
     out_row = jnp.where(row_ids < T, split * T + row_ids, o_ref.shape[0])
     dest = o_ref.at[out_row[:, None], (col_block * bn + jnp.arange(bn))[None, :]]
-    plgpu.store(dest, out, mask=present)
+    plgpu.store(dest, acc.astype(o_ref.dtype), mask=present)
 
 
 def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, tiling: Tiling | None = None,
-                            interpret: bool | None = None, transposed: bool = False, gated: bool = False):
+                            interpret: bool | None = None, transposed: bool = False):
     """`quantized_matmul_reference` (same arguments and result) as one kernel: x [..., K] in a
     float dtype, values [K, N] int8 or float8_e4m3fn, scales [R, N] float32 (R: 1, or one row
     per block of `block_in` input rows). A weight no tile
@@ -169,45 +149,32 @@ def quantized_matmul_pallas(x_TI, values_IO, scales, block_in: int | None, *, ti
     transposed: values given as [N, K] (each output column's input rows contiguous, PyTorch's
     layout), which Triton turns into product operands with fewer shuffles: the faster layout at
     decode and verify shapes (`QuantizedLinear.to_output_major`).
-    gated: the reference's; the kernel computes `swiglu` in its epilogue where its tiling has no
-    splits and its column blocks fit in half the weight (a program takes a gate block and its up
-    block), and after the product otherwise.
     interpret: None runs compiled on a GPU backend and in interpret mode elsewhere."""
     *lead, K = x_TI.shape
     N = values_IO.shape[0 if transposed else 1]
     x_TI = x_TI.reshape(-1, K)
     T = x_TI.shape[0]
-    given = tiling
+    tiling = tiling or call_tiling(K, N, block_in, T, transposed=transposed)
     if tiling is None:
-        tiling = call_tiling(K, N, block_in, T, transposed=transposed)
-        if tiling is not None and gated:  # column blocks that divide a half (the same at any rows where < 64)
-            tiling = dataclasses.replace(tiling, block_n=largest_pow2_divisor(N // 2, tiling.block_n))
-    if tiling is None:
-        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed,
-                                          gated=gated).reshape(*lead, -1)
+        return quantized_matmul_reference(x_TI, values_IO, scales, block_in, transposed=transposed).reshape(*lead, N)
     if (K % (tiling.block_k * tiling.splits) or N % tiling.block_n or (block_in and block_in % tiling.block_k)
             or tiling.block_rows < MIN_TILE or not is_pow2(tiling.block_rows)):
         raise ValueError(f"tiling {tiling} does not divide the weight [{K}, {N}] (block_in {block_in}), or its "
                          f"block_rows is not a power of two of at least {MIN_TILE}; use default_tiling(K, N, block_in).")
-    finish = tiling.splits == 1
-    if gated and not (finish and tiling.block_n >= MIN_TILE and N // 2 % tiling.block_n == 0):
-        y = quantized_matmul_pallas(x_TI, values_IO, scales, block_in, tiling=given, interpret=interpret,
-                                    transposed=transposed)
-        return swiglu(y).reshape(*lead, -1)
     interpret = runs_interpreted(interpret)
     block_m = min(max(next_pow2(T), MIN_TILE), tiling.block_rows)
-    columns = N // 2 if gated else N
-    out_shape = ((T, columns), x_TI.dtype) if finish else ((tiling.splits * T, N), jnp.float32)
+    finish = tiling.splits == 1
+    out_shape = ((T, N), x_TI.dtype) if finish else ((tiling.splits * T, N), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, tiling=tiling, block_m=block_m, steps=K // tiling.block_k // tiling.splits,
-                          block_in=block_in, transposed=transposed, T=T, gated=gated),
+                          block_in=block_in, transposed=transposed, T=T),
         out_shape=jax.ShapeDtypeStruct(*out_shape),
-        grid=(columns // tiling.block_n, tiling.splits, -(-T // block_m)),
+        grid=(N // tiling.block_n, tiling.splits, -(-T // block_m)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="quantized_matmul",
     )(x_TI, values_IO, scales)
     if finish:
-        return out.reshape(*lead, columns)
+        return out.reshape(*lead, N)
     y = sum_in_order(out.reshape(tiling.splits, T, N))
     return (y * scales[0] if block_in is None else y).astype(x_TI.dtype).reshape(*lead, N)

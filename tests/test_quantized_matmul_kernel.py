@@ -9,7 +9,6 @@ import pytest
 
 from dflash_jax.kernels import Kernels
 from dflash_jax.quantization import WeightQuantization, quantize
-from pallas_kernels.common import exact_float
 from pallas_kernels.quantized_matmul import (
     Tiling, default_tiling, output_major_tiling, quantized_matmul_pallas, quantized_matmul_reference,
 )
@@ -76,33 +75,6 @@ def test_a_row_is_computed_alike_alone_or_in_a_block(block_in, K, transposed):
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(block[i]))
 
 
-@pytest.mark.parametrize("K,N,block_in,rows", [
-    (512, 512, 128, 1),    # the epilogue: 64-column blocks of gate and up
-    (576, 224, 48, 16),    # 16-column blocks divide a half of 112
-    (4096, 256, None, 3),  # split over the input rows: swiglu after the splits' sum
-])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gated_product_is_swiglu_of_the_product(K, N, block_in, rows, dtype):
-    """gated=True: silu(gate) * up of the [gate | up] product, in either layout, as the
-    reference computes it (float32 to rounding; bfloat16 within one step of its rounding), and
-    a row alike alone or in a block."""
-    values, scales = weight(K, N, "int8", block_in)
-    x = jnp.asarray(np.random.default_rng(7).normal(size=(rows, K)), dtype)
-    expected = np.asarray(quantized_matmul_reference(x, values, scales, block_in, gated=True), np.float32)
-    product = np.asarray(quantized_matmul_reference(x, values, scales, block_in), np.float32)
-    for transposed in (False, True):
-        w = values.T if transposed else values
-        got = quantized_matmul_pallas(x, w, scales, block_in, interpret=True, transposed=transposed, gated=True)
-        assert got.shape == (rows, N // 2) and got.dtype == dtype
-        scale = np.abs(expected).max()
-        atol = 1e-5 * scale if dtype == jnp.float32 else 1e-2 * scale
-        np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=atol)
-        alone = quantized_matmul_pallas(x[-1:], w, scales, block_in, interpret=True, transposed=transposed, gated=True)
-        np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(got[-1], np.float32))
-    gate, up = np.split(product, 2, axis=-1)  # and the reference is swiglu of its product
-    np.testing.assert_allclose(expected, gate / (1 + np.exp(-gate)) * up, rtol=2e-2, atol=1e-2 * np.abs(expected).max())
-
-
 def test_the_reference_computes_a_bfloat16_row_alike_in_any_block():
     """The CPU path's product, as the models run it (the library's `dot_general`, bfloat16,
     fused with a residual add): the rows of a 12-row call equal 1- and 3-row calls bit for bit,
@@ -146,19 +118,6 @@ def every_code(weights):
     return values, np.isfinite(np.asarray(values.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp8"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_exact_float_gives_every_code_its_value(weights, dtype):
-    """The kernel's conversion by arithmetic (int8 into float32 or bfloat16) and the plain
-    conversion (fp8, other dtypes) agree with `astype` on all 256 codes, in and out of jit."""
-    values, finite = every_code(weights)
-    for convert in (exact_float, jax.jit(exact_float, static_argnums=1)):
-        got = convert(values, dtype)
-        assert got.dtype == jnp.dtype(dtype)
-        np.testing.assert_array_equal(np.asarray(got, np.float32)[finite],
-                                      np.asarray(values.astype(dtype), np.float32)[finite])
-
-
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype,block_in", [("int8", None), ("int8", 128), ("float8_e4m3fn", 128)])
 def test_kernel_lowers_to_triton_for_a_gpu_from_any_host(dtype, block_in, transposed):
@@ -197,22 +156,6 @@ def test_gpu_compiled_kernel_reads_every_code_exactly(weights, block_in, transpo
     got = product(x)
     expected = oracle(np.asarray(x, np.float32), values, scales, block_in)
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=1e-2 * np.abs(expected).max())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("block_in", [None, 128])
-def test_gpu_compiled_gated_product(block_in):
-    """Qwen3-8B's gate and up product compiled with its swiglu epilogue: the reference's result
-    within bfloat16 rounding, and each row alike alone or in a 16-row block."""
-    values, scales = weight(4096, 2 * 12288, "int8", block_in)
-    x = jnp.asarray(np.random.default_rng(8).normal(size=(16, 4096)), jnp.bfloat16)
-    product = jax.jit(lambda x: quantized_matmul_pallas(x, values.T, scales, block_in, transposed=True, gated=True))
-    got = np.asarray(product(x), np.float32)
-    expected = np.asarray(quantized_matmul_reference(x, values, scales, block_in, gated=True), np.float32)
-    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=1e-2 * np.abs(expected).max())
-    for i in (0, 15):
-        np.testing.assert_array_equal(np.asarray(product(x[i:i + 1]), np.float32)[0], got[i])
 
 
 def test_kernels_choose_the_product(monkeypatch):
