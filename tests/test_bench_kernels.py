@@ -4,9 +4,14 @@ clock their "us" is (the device's where a GPU ran, the wall clock elsewhere)."""
 
 import gzip
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
+from bench.hlo_fusions import fused_computations, largest_program, repeated_ops
 from bench.traces import count_trace_events, device_seconds
 
 
@@ -72,13 +77,6 @@ def test_hlo_fusions_name_what_a_profiled_kernel_runs(tmp_path):
     """A fusion named in a profile is found in an XLA dump with the computation it calls; a
     name the program lacks (a custom kernel's) comes back empty; a profile record's repeated
     ops are the ones asked for."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    from bench.hlo_fusions import fused_computations, largest_program, repeated_ops
-
     dump = tmp_path / "dump"
     program = ("import jax, jax.numpy as jnp\n"
                "f = jax.jit(lambda x, y: jnp.tanh(x * y + 1.0).sum(axis=1))\n"

@@ -9,7 +9,8 @@
 # with its label as the records' commit (a device copy's git HEAD is not the tree that ran),
 # into $OUT/N-LABEL. The plan's variables (VARIANTS, SECTIONS, MODEL, ARGS, ...) pass through.
 # Trees run in the order given: name the base first and last to see the drift between runs.
-# The plan's logs and markdown are removed unless KEEP=1 (a call returns at most 8 files).
+# The plan's logs and markdown are removed unless KEEP=1 (a call returns at most 8 files);
+# TAIL (default 3) lines of each tree's output are printed.
 #
 #   OUT=... TREES="cd033c2=.gpu_carry/base new=. cd033c2=.gpu_carry/base" VARIANTS=int8-b128 \
 #       SECTIONS=generate bash bench/plans/trees.sh quantized.sh
