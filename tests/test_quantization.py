@@ -269,3 +269,20 @@ def test_what_cannot_be_quantized_is_refused(float_pair, tmp_path):
     with pytest.raises(ConfigError, match="published quantized drafters are not supported"):
         dflash_jax.load_drafter(folder)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_agreement_benchmark_rounds_the_lm_head_only_when_asked(float_pair):
+    from bench.acceptance.quantized_agreement import parse_variant, quantized_variant
+
+    assert parse_variant("int8/16+head/8") == (WeightQuantization("int8", 16), WeightQuantization("int8", 8))
+    assert parse_variant("fp8+head") == (WeightQuantization("fp8"), WeightQuantization("fp8"))
+    assert parse_variant("int8") == (WeightQuantization("int8"), None)
+    _, folder, _ = float_pair
+    target = dflash_jax.load_target(folder, dtype="float32")
+    eye = np.eye(target.cfg.hidden_size, dtype=np.float32)
+    float_head = np.asarray(target.unembed(eye))
+    np.testing.assert_array_equal(np.asarray(quantized_variant(target, "int8/16").unembed(eye)), float_head)
+    rounded = np.asarray(quantized_variant(target, "int8/16+head/8").unembed(eye))
+    values, scales = quantize(float_head, WeightQuantization("int8", 8))
+    np.testing.assert_array_equal(rounded, np.asarray(dequantize(values, scales, 8, np.float32)))
+    assert not np.array_equal(rounded, float_head)

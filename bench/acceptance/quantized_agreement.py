@@ -4,7 +4,9 @@ DFlash acceptance length with the quantized target against the float one.
 
 Each variant is the float target with its decoder-layer weights quantized
 (`dflash_jax.models.quantize_model`): int8 or fp8 (e4m3), one scale per output channel, or per
-output channel and block of 128 input rows ("int8/128"). The compute dtype is --dtype for all.
+output channel and block of 128 input rows ("int8/128"). A "+head" suffix ("int8/128+head/32")
+also rounds the LM head to 8-bit values, per vocabulary row and block of input rows (the
+numbers an 8-bit head would compute, not a kernel of its own). The compute dtype is --dtype for all.
 
     python -m bench.acceptance.quantized_agreement --prompts diverse --out J            # the demo's SmolLM2
     python -m bench.acceptance.quantized_agreement --limit 1 --max-new-tokens 32 --out J  # a quick look
@@ -31,14 +33,12 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--variants", default="int8,fp8,int8/128,fp8/128",
-                        help="comma-separated WEIGHTS[/BLOCK_IN] (weights int8 or fp8)")
+                        help="comma-separated WEIGHTS[/BLOCK_IN][+head[/BLOCK_IN]] (weights int8 or fp8)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16, help="the verified block (the drafter's 16)")
     harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     import dflash_jax
-    from dflash_jax.models import quantize_model
-    from dflash_jax.quantization import WeightQuantization
 
     record = harness.Record(__spec__.name, args, argv)
     target_dir, tokenizer, prompts, categories = encoded_prompts(args, parser)
@@ -50,9 +50,7 @@ def main(argv=None) -> None:
     results = {"prompts": len(prompts), "tokens": int(sum(map(len, answers))), "variants": {}}
     for name in ["float", *args.variants.split(",")]:
         start = time.perf_counter()
-        weights, _, block = name.partition("/")
-        target = float_target if name == "float" else quantize_model(
-            float_target, WeightQuantization(weights, int(block) if block else None))
+        target = float_target if name == "float" else quantized_variant(float_target, name)
         spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
                                    block_size=args.block_size)
         results["variants"][name] = {
@@ -64,6 +62,38 @@ def main(argv=None) -> None:
         print(f"{name:9s} " + json.dumps({k: v for k, v in results["variants"][name].items()
                                           if k != "tau_per_category"}), flush=True)
         record.write(results)
+
+
+def parse_variant(name: str):
+    """"WEIGHTS[/BLOCK][+head[/BLOCK]]" -> (the layers' WeightQuantization, the head's or None)."""
+    from dflash_jax.quantization import WeightQuantization
+
+    def scaling(weights, spec):
+        _, _, block = spec.partition("/")
+        return WeightQuantization(weights, int(block) if block else None)
+
+    layers, _, head = name.partition("+")
+    quantization = scaling(layers.partition("/")[0], layers)
+    return quantization, scaling(quantization.weights, head) if head else None
+
+
+def quantized_variant(float_target, name: str):
+    """The float target with its decoder layers quantized as `name` says, and its LM head's
+    weight replaced by its 8-bit values' float equivalent where `name` has "+head"."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models import quantize_model
+    from dflash_jax.models.target import DerivedWeight
+    from dflash_jax.quantization import dequantize, quantize
+
+    layers, head = parse_variant(name)
+    target = quantize_model(float_target, layers)
+    if head is not None:
+        dtype = float_target.dtype
+        weight_DV = target.unembed(jnp.eye(float_target.cfg.hidden_size, dtype=dtype)).astype(jnp.float32)
+        values, scales = quantize(weight_DV, head)
+        target.head_DV = DerivedWeight(dequantize(values, scales, head.block_in, dtype))
+    return target
 
 
 def agreement(target, prompts: list[list[int]], answers: list[list[int]]) -> float:
