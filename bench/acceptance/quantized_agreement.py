@@ -83,7 +83,6 @@ def quantized_variant(float_target, name: str):
     import jax.numpy as jnp
 
     from dflash_jax.models import quantize_model
-    from dflash_jax.models.target import DerivedWeight
     from dflash_jax.quantization import dequantize, quantize
 
     layers, head = parse_variant(name)
@@ -92,7 +91,7 @@ def quantized_variant(float_target, name: str):
         dtype = float_target.dtype
         weight_DV = target.unembed(jnp.eye(float_target.cfg.hidden_size, dtype=dtype)).astype(jnp.float32)
         values, scales = quantize(weight_DV, head)
-        target.head_DV = DerivedWeight(dequantize(values, scales, head.block_in, dtype))
+        target.use_head_weight(dequantize(values, scales, head.block_in, dtype))
     return target
 
 

@@ -73,7 +73,12 @@ class Target(nnx.Module):
         bfloat16 the [V, D] table is the faster one: no copy (bench/LESSONS.md). `load_target`
         calls this on CPU backends."""
         if self.cfg.tie_word_embeddings and self.dtype == jnp.float32:
-            self.head_DV = DerivedWeight(jnp.transpose(self.embed_tokens.embedding[...]))
+            self.use_head_weight(jnp.transpose(self.embed_tokens.embedding[...]))
+
+    def use_head_weight(self, weight_DV) -> None:
+        """Unembed with `weight_DV` [D, V] instead of the tied table or `lm_head`: a derived
+        weight, never saved (a tied head's transposed copy; a benchmark's rounded head)."""
+        self.head_DV = DerivedWeight(weight_DV)
 
     def embed(self, token_ids_T):
         return self.embed_tokens(token_ids_T)
