@@ -277,6 +277,9 @@ def test_the_agreement_benchmark_rounds_the_lm_head_only_when_asked(float_pair):
     assert parse_variant("int8/16+head/8") == (WeightQuantization("int8", 16), WeightQuantization("int8", 8))
     assert parse_variant("fp8+head") == (WeightQuantization("fp8"), WeightQuantization("fp8"))
     assert parse_variant("int8") == (WeightQuantization("int8"), None)
+    for bad in ("int4", "int8/x", "int8+tail/8", "fp8+head/3.5"):
+        with pytest.raises(ValueError, match="WEIGHTS"):
+            parse_variant(bad)
     _, folder, _ = float_pair
     target = dflash_jax.load_target(folder, dtype="float32")
     eye = np.eye(target.cfg.hidden_size, dtype=np.float32)

@@ -68,13 +68,15 @@ def parse_variant(name: str):
     """"WEIGHTS[/BLOCK][+head[/BLOCK]]" -> (the layers' WeightQuantization, the head's or None)."""
     from dflash_jax.quantization import WeightQuantization
 
-    def scaling(weights, spec):
-        _, _, block = spec.partition("/")
-        return WeightQuantization(weights, int(block) if block else None)
-
     layers, _, head = name.partition("+")
-    quantization = scaling(layers.partition("/")[0], layers)
-    return quantization, scaling(quantization.weights, head) if head else None
+    weights, _, block = layers.partition("/")
+    _, _, head_block = head.partition("/")
+    if (weights not in ("int8", "fp8") or head.partition("/")[0] not in ("", "head")
+            or not all(b.isdigit() for b in (block, head_block) if b)):
+        raise ValueError(f"variant {name!r}: write WEIGHTS[/BLOCK_IN][+head[/BLOCK_IN]], e.g. int8/128+head/32 "
+                         "(weights int8 or fp8, blocks whole numbers of input rows)")
+    return (WeightQuantization(weights, int(block) if block else None),
+            WeightQuantization(weights, int(head_block) if head_block else None) if head else None)
 
 
 def quantized_variant(float_target, name: str):
