@@ -15,6 +15,9 @@ distinct weights (so every matrix streams from HBM), times:
   - tokamax-bf16, tokamax-int8(-b128), tokamax-fp8-b128: openxla/tokamax's `ragged_dot`
     (Mosaic GPU; one group) over the bf16 weight, or the same 8-bit values and scales as a
     qwix `QArray` (Hopper: dequantized in registers), where tokamax loads (`optional_tokamax`);
+  - jaxmixed-int8-sS-qQ: JAX's own Hopper mixed-type Mosaic GPU product over per-column
+    int8 values held [N, K], the input rows split S ways, Q tiles in flight
+    (`bench.kernels.jax_mixed_matmul`; GPU only; its result's largest error recorded);
   - none: the chain without a product (what each link costs besides its kernel).
 A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per
 matrix (the device's busy time from a profiler trace on a GPU, the wall time elsewhere; both
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import harness
+from bench.kernels.jax_mixed_matmul import mixed_variants
 from bench.shapes import QWEN3_8B, SMALL
 from bench.traces import device_seconds
 
@@ -144,6 +148,7 @@ def main(argv=None):
                                                                      transposed=True),
                 [(v.T, s) for v, s in ws], nb)
         variants.update(tokamax_variants(floats, quantized, K, N))
+        variants.update(mixed_variants(quantized, K, N))
         for M in rows_list:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -155,8 +160,13 @@ def main(argv=None):
                     continue
                 tiling = call_tiling(K, N, 128 if "b128" in variant else None, M,
                                      transposed=variant.endswith("-nk")) if "pallas" in variant else None
+                checked = {}
+                if variant.startswith("jaxmixed"):  # a kernel from outside: its result checked too
+                    values, scales = quantized["int8", None][0]
+                    expected = quantized_matmul_reference(x, values, scales, None).astype(jnp.float32)
+                    checked["max_error"] = float(jnp.abs(fn(x, *ws[0]).astype(jnp.float32) - expected).max())
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, **timed, TBps=nb / timed["us"] / 1e6,
-                       tiling=tiling and list(tiling.__dict__.values()))
+                       tiling=tiling and list(tiling.__dict__.values()), **checked)
         for M in [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -188,7 +198,8 @@ def main(argv=None):
             print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} failed: {r['error'][:80]}")
             continue
         if "us" in r:
-            print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} {r['us']:8.1f} {r['TBps']:6.2f} {r['tiling']}")
+            error = f" max error {r['max_error']:.3g}" if "max_error" in r else ""
+            print(f"{r['matrix']:<8} {r['rows']:>3} {r['variant']:<18} {r['us']:8.1f} {r['TBps']:6.2f} {r['tiling']}{error}")
     best = {}
     for r in results:
         if r["variant"].startswith("sweep") and "us" in r:
