@@ -32,16 +32,18 @@ def load_kernel():
     return hopper_mixed_type_matmul_mgpu
 
 
-def mixed_product(module, x_TK, values_NK, scales, *, splits: int, steps: int):
+def mixed_product(module, x_TK, values_NK, scales, *, splits: int, steps: int, widest: int, tile_m: int = 64):
     """y [T, N] = x @ values^T * scales[0] through `module.mixed_matmul_kernel` (float32
-    sums), the input rows split `splits` ways, `steps` tiles in flight."""
+    sums), the input rows split `splits` ways, `steps` tiles in flight, column tiles of at most
+    `widest` (shared memory holds `steps` tiles of x and the float32 result's), `tile_m`
+    weight rows a warpgroup (two a program)."""
     T, K = x_TK.shape
     N = values_NK.shape[0]
     columns = max(MIN_COLUMNS, -(-T // MIN_COLUMNS) * MIN_COLUMNS) if T <= 64 else -(-T // 128) * 128
     if splits > 1 and T > MIN_COLUMNS:
         raise ValueError(f"splits of the input rows are tried up to {MIN_COLUMNS} rows, not {T}")
-    tile_n = min(columns * splits, 128)
-    config = module.TuningConfig(tile_m=64, tile_n=tile_n, tile_k=128, max_concurrent_steps=steps,
+    tile_n = min(columns * splits, widest)
+    config = module.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=128, max_concurrent_steps=steps,
                                  epi_tile_n=min(tile_n, 64), epi_tile_m=64,
                                  wg_dimension=module.MatmulDimension.M)
     x = jnp.pad(x_TK, ((0, columns - T), (0, 0)))
@@ -54,18 +56,21 @@ def mixed_product(module, x_TK, values_NK, scales, *, splits: int, steps: int):
 
 
 def mixed_variants(quantized: dict, K: int, N: int) -> dict:
-    """{name: (fn(x, values_NK, scales), weights, bytes)} for per-column int8 weights: splits 1,
-    4, 8 of the input rows at 4 tiles in flight, and 1 split at 8."""
+    """{name: (fn(x, values_NK, scales), weights, bytes)} for per-column int8 weights: 1 or 4
+    splits of the input rows, 2-8 tiles in flight, column tiles of at most 64 or 128, 64 or
+    128 weight rows a warpgroup ("-m128")."""
     module = load_kernel()
     if module is None or ("int8", None) not in quantized:
         return {}
     ws = [(v.T, s) for v, s in quantized["int8", None]]
     nbytes = K * N + ws[0][1].size * 4
     variants = {}
-    for splits, steps in ((1, 4), (1, 8), (4, 4), (8, 4)):
-        if K % (128 * splits):
+    for splits, steps, widest, tile_m in ((1, 4, 64, 64), (1, 8, 64, 64), (1, 3, 128, 64), (4, 4, 128, 64),
+                                          (1, 3, 64, 128), (1, 2, 128, 128), (1, 2, 128, 64)):
+        if K % (128 * splits) or N % (2 * tile_m):
             continue
-        variants[f"jaxmixed-int8-s{splits}-q{steps}"] = (
-            lambda x, v, s, splits=splits, steps=steps: mixed_product(module, x, v, s, splits=splits, steps=steps),
+        variants[f"jaxmixed-int8-s{splits}-q{steps}-n{widest}{'-m128' if tile_m == 128 else ''}"] = (
+            lambda x, v, s, splits=splits, steps=steps, widest=widest, tile_m=tile_m: mixed_product(
+                module, x, v, s, splits=splits, steps=steps, widest=widest, tile_m=tile_m),
             ws, nbytes)
     return variants

@@ -15,8 +15,8 @@ distinct weights (so every matrix streams from HBM), times:
   - tokamax-bf16, tokamax-int8(-b128), tokamax-fp8-b128: openxla/tokamax's `ragged_dot`
     (Mosaic GPU; one group) over the bf16 weight, or the same 8-bit values and scales as a
     qwix `QArray` (Hopper: dequantized in registers), where tokamax loads (`optional_tokamax`);
-  - jaxmixed-int8-sS-qQ: JAX's own Hopper mixed-type Mosaic GPU product over per-column
-    int8 values held [N, K], the input rows split S ways, Q tiles in flight
+  - jaxmixed-int8-sS-qQ-nW: JAX's own Hopper mixed-type Mosaic GPU product over per-column
+    int8 values held [N, K], the input rows split S ways, Q tiles in flight, W columns at most
     (`bench.kernels.jax_mixed_matmul`; GPU only; its result's largest error recorded);
   - none: the chain without a product (what each link costs besides its kernel).
 A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per
