@@ -18,6 +18,8 @@ distinct weights (so every matrix streams from HBM), times:
   - jaxmixed-int8-sS-qQ-nW: JAX's own Hopper mixed-type Mosaic GPU product over per-column
     int8 values held [N, K], the input rows split S ways, Q tiles in flight, W columns at most
     (`bench.kernels.jax_mixed_matmul`; GPU only; its result's largest error recorded);
+  - mgpu-int8-b128-mM-nN-qQ: `bench.kernels.wgmma_block_scaled`, a Mosaic GPU prototype with
+    scales per 128 input rows (GPU only; its result's largest error recorded);
   - none: the chain without a product (what each link costs besides its kernel).
 A variant that fails (a kernel refusing a shape) is reported with its error. Reports us per
 matrix (the device's busy time from a profiler trace on a GPU, the wall time elsewhere; both
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 from bench import harness
 from bench.kernels.jax_mixed_matmul import mixed_variants
+from bench.kernels.wgmma_block_scaled import block_scaled_variants
 from bench.shapes import QWEN3_8B, SMALL
 from bench.traces import device_seconds
 
@@ -149,6 +152,7 @@ def main(argv=None):
                 [(v.T, s) for v, s in ws], nb)
         variants.update(tokamax_variants(floats, quantized, K, N))
         variants.update(mixed_variants(quantized, K, N))
+        variants.update(block_scaled_variants(quantized, K, N))
         for M in rows_list:
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -161,9 +165,10 @@ def main(argv=None):
                 tiling = call_tiling(K, N, 128 if "b128" in variant else None, M,
                                      transposed=variant.endswith("-nk")) if "pallas" in variant else None
                 checked = {}
-                if variant.startswith("jaxmixed"):  # a kernel from outside: its result checked too
-                    values, scales = quantized["int8", None][0]
-                    expected = quantized_matmul_reference(x, values, scales, None).astype(jnp.float32)
+                if variant.startswith(("jaxmixed", "mgpu")):  # kernels on trial: their results checked too
+                    block = 128 if "b128" in variant else None
+                    values, scales = quantized["int8", block][0]
+                    expected = quantized_matmul_reference(x, values, scales, block).astype(jnp.float32)
                     checked["max_error"] = float(jnp.abs(fn(x, *ws[0]).astype(jnp.float32) - expected).max())
                 report(matrix=name, K=K, N=N, rows=M, variant=variant, **timed, TBps=nb / timed["us"] / 1e6,
                        tiling=tiling and list(tiling.__dict__.values()), **checked)

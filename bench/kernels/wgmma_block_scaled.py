@@ -1,0 +1,102 @@
+"""A prototype 8-bit product for verify-sized calls on Hopper: Mosaic GPU, weights held
+[out, in] as wgmma's first operand (int8 converted to bf16 in registers), x^T from shared
+memory as its second, and a float32 scale per output column and block of 128 input rows
+applied to each block's partial product, the library's numbers (`quantized_matmul_reference`).
+
+JAX's own mixed-type kernel does the 256-row products in 0.63x the Triton-lowered kernel's
+time but takes no block scales (bench/results, session 46). Here each pipeline step is one
+scale block: its wgmma goes to a fresh accumulator, whose product is scaled per row and added
+to the float32 sum the step carries in registers. One warpgroup a program, `tile_m` weight
+rows x `tile_n` columns of x^T; the rows of x past T are zeros. GPU only (Mosaic GPU has no
+CPU interpret mode that compiles under this project's jax); measured by
+`bench.kernels.quantized_products` (`mgpu-int8-b128-*` variants)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK_IN = 128  # input rows per scale and per pipeline step
+
+
+def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n: int = 128, steps: int = 3):
+    """y [T, N] = sum over blocks b of (x[:, b] @ values[:, b]^T) * scales[b], in x's dtype."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    T, K = x_TK.shape
+    N = values_NK.shape[0]
+    if K % BLOCK_IN or scales_RN.shape != (K // BLOCK_IN, N) or N % tile_m:
+        raise ValueError(f"weights [{N}, {K}] with scales {scales_RN.shape}: needs K a multiple of {BLOCK_IN}, "
+                         f"a scale per {BLOCK_IN} input rows, N a multiple of {tile_m}")
+    columns = -(-T // tile_n) * tile_n
+    xT = jnp.pad(x_TK, ((0, columns - T), (0, 0))).T.astype(jnp.bfloat16)  # [K, columns]
+
+    def transforms(bits: int, width: int, operand: str):
+        swizzle = plgpu.find_swizzle(width * bits, operand)
+        return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+    def kernel(a_gmem, b_gmem, s_gmem, out_gmem):
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+
+        def step(_, a_smem, b_smem, s_smem, total):
+            a = a_smem[...].astype(jnp.bfloat16)
+
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a, b_smem)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            partial = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+            scale = plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            return total + partial * lax.broadcast_in_dim(scale, partial.shape, [0])
+
+        zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, jnp.float32), plgpu.Layout.WGMMA)
+        total = plgpu.emit_pipeline(
+            step,
+            grid=(K // BLOCK_IN,),
+            in_specs=[
+                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=transforms(8, BLOCK_IN, "lhs")),
+                plgpu.BlockSpec((BLOCK_IN, tile_n), lambda k: (k, ni), transforms=transforms(16, tile_n, "rhs")),
+                plgpu.BlockSpec((1, tile_m), lambda k: (k, mi)),
+            ],
+            max_concurrent_steps=steps,
+            init_carry=zeros,
+        )(a_gmem, b_gmem, s_gmem)
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32))
+        def store(o_smem):
+            o_smem[...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    y_NC = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((N, columns), jnp.float32),
+        grid=(N // tile_m, columns // tile_n),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(values_NK, xT, scales_RN)
+    return y_NC[:, :T].T.astype(x_TK.dtype)
+
+
+def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
+    """{name: (fn(x, values_NK, scales), weights, bytes)} for int8 per 128 input rows, a few
+    tile settings; none off a GPU."""
+    if jax.default_backend() != "gpu" or ("int8", BLOCK_IN) not in quantized:
+        return {}
+    ws = [(v.T, s) for v, s in quantized["int8", BLOCK_IN]]
+    nbytes = K * N + ws[0][1].size * 4
+    variants = {}
+    for tile_m, tile_n, steps in ((64, 128, 3), (64, 64, 4), (128, 64, 3)):
+        if N % tile_m:
+            continue
+        variants[f"mgpu-int8-b128-m{tile_m}-n{tile_n}-q{steps}"] = (
+            lambda x, v, s, tile_m=tile_m, tile_n=tile_n, steps=steps: block_scaled_product(
+                x, v, s, tile_m=tile_m, tile_n=tile_n, steps=steps),
+            ws, nbytes)
+    return variants
