@@ -272,12 +272,12 @@ def test_what_cannot_be_quantized_is_refused(float_pair, tmp_path):
 
 
 def test_the_agreement_benchmark_rounds_the_lm_head_only_when_asked(float_pair):
-    from bench.acceptance.quantized_agreement import parse_variant, quantized_variant
+    from bench.acceptance.quantized_agreement import Variant, parse_variant, quantized_variant
 
-    assert parse_variant("int8/16+head/8") == (WeightQuantization("int8", 16), WeightQuantization("int8", 8))
-    assert parse_variant("fp8+head") == (WeightQuantization("fp8"), WeightQuantization("fp8"))
-    assert parse_variant("int8") == (WeightQuantization("int8"), None)
-    for bad in ("int4", "int8/x", "int8+tail/8", "fp8+head/3.5"):
+    assert parse_variant("int8/16+head/8") == Variant(WeightQuantization("int8", 16), WeightQuantization("int8", 8))
+    assert parse_variant("fp8+head") == Variant(WeightQuantization("fp8"), WeightQuantization("fp8"))
+    assert parse_variant("int8") == Variant(WeightQuantization("int8"))
+    for bad in ("int4", "int8/x", "int8+tail/8", "fp8+head/3.5", "int8@down_proj", "int8@/16"):
         with pytest.raises(ValueError, match="WEIGHTS"):
             parse_variant(bad)
     _, folder, _ = float_pair
@@ -289,3 +289,23 @@ def test_the_agreement_benchmark_rounds_the_lm_head_only_when_asked(float_pair):
     values, scales = quantize(float_head, WeightQuantization("int8", 8))
     np.testing.assert_array_equal(rounded, np.asarray(dequantize(values, scales, 8, np.float32)))
     assert not np.array_equal(rounded, float_head)
+
+
+def test_the_agreement_benchmark_gives_named_matrices_their_own_blocks(float_pair):
+    """"@MATRIX/B" variants round every 8-bit matrix in float, the named ones per B rows: with
+    every matrix named alike they compute what the 8-bit target computes."""
+    from bench.acceptance.quantized_agreement import parse_variant, quantized_variant
+    from dflash_jax.dense import target_forward
+
+    assert parse_variant("int8@down_proj/16@o_proj/32").matrices == (
+        ("down_proj", WeightQuantization("int8", 16)), ("o_proj", WeightQuantization("int8", 32)))
+    _, folder, _ = float_pair
+    target = dflash_jax.load_target(folder, dtype="float32")
+    ids = np.arange(1, 25, dtype=np.int32) % target.cfg.vocab_size
+    logits = {name: np.asarray(target_forward(quantized_variant(target, name), ids)[0])
+              for name in ("int8/16", "int8/16@down_proj/16", "int8", "int8@down_proj/16")}
+    np.testing.assert_allclose(logits["int8/16@down_proj/16"], logits["int8/16"], atol=1e-4)
+    mixed_moves = np.abs(logits["int8@down_proj/16"] - logits["int8"]).max()
+    assert mixed_moves > 1e-3  # the named matrix's rounding changed
+    with pytest.raises(ValueError, match="no 8-bit form"):
+        quantized_variant(target, "int8@lm_head/16")
