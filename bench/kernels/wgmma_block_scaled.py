@@ -9,11 +9,17 @@ scale block: its wgmma goes to a fresh accumulator, whose product is scaled per 
 to the float32 sum the step carries in registers. One warpgroup a program, `tile_m` weight
 rows x `tile_n` columns of x^T; the rows of x past T are zeros. GPU only (Mosaic GPU has no
 CPU interpret mode that compiles under this project's jax); measured by
-`bench.kernels.quantized_products` (`mgpu-int8-b128-*` variants)."""
+`bench.kernels.quantized_products` (`mgpu-int8-b128-*` variants).
+
+    python -m bench.kernels.wgmma_block_scaled --rows 3,256   # on a GPU: each tile setting's
+                                                              # largest error, or its traceback
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +90,9 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
     return y_NC[:, :T].T.astype(x_TK.dtype)
 
 
+TILE_SETTINGS = ((64, 128, 3), (64, 64, 4), (128, 64, 3))  # (tile_m, tile_n, steps)
+
+
 def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
     """{name: (fn(x, values_NK, scales), weights, bytes)} for int8 per 128 input rows, a few
     tile settings; none off a GPU."""
@@ -92,7 +101,7 @@ def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
     ws = [(v.T, s) for v, s in quantized["int8", BLOCK_IN]]
     nbytes = K * N + ws[0][1].size * 4
     variants = {}
-    for tile_m, tile_n, steps in ((64, 128, 3), (64, 64, 4), (128, 64, 3)):
+    for tile_m, tile_n, steps in TILE_SETTINGS:
         if N % tile_m:
             continue
         variants[f"mgpu-int8-b128-m{tile_m}-n{tile_n}-q{steps}"] = (
@@ -100,3 +109,41 @@ def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
                 x, v, s, tile_m=tile_m, tile_n=tile_n, steps=steps),
             ws, nbytes)
     return variants
+
+
+def main(argv=None) -> int:
+    """Each tile setting at each of --rows against `quantized_matmul_reference` on a [K, N]
+    weight: its largest error, or the full traceback of a setting that fails to lower or run."""
+    from dflash_jax.quantization import WeightQuantization, quantize
+    from pallas_kernels.quantized_matmul import quantized_matmul_reference
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="3,256")
+    parser.add_argument("--shape", default="4096,6144", help="K,N of the weight (Qwen3-8B's qkv)")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("the Mosaic GPU prototype runs on a GPU only", flush=True)
+        return 0
+    K, N = (int(n) for n in args.shape.split(","))
+    weight = jax.random.normal(jax.random.key(0), (K, N), jnp.float32) * 0.02
+    values, scales = quantize(weight, WeightQuantization("int8", BLOCK_IN))
+    failed = 0
+    for T in (int(r) for r in args.rows.split(",")):
+        x = jax.random.normal(jax.random.key(T), (T, K), jnp.float32).astype(jnp.bfloat16)
+        expected = quantized_matmul_reference(x, values, scales, BLOCK_IN).astype(jnp.float32)
+        for tile_m, tile_n, steps in TILE_SETTINGS:
+            setting = f"rows {T} tile_m {tile_m} tile_n {tile_n} steps {steps}"
+            try:
+                y = jax.jit(functools.partial(block_scaled_product, tile_m=tile_m, tile_n=tile_n, steps=steps))(
+                    x, values.T, scales)
+                print(f"{setting}: largest error {float(jnp.abs(y.astype(jnp.float32) - expected).max()):.3g} "
+                      f"(largest |y| {float(jnp.abs(expected).max()):.3g})", flush=True)
+            except Exception:  # a prototype on trial: every failure shown whole
+                failed += 1
+                print(f"{setting}: FAILED", flush=True)
+                traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
