@@ -108,9 +108,8 @@ def quantized_variant(float_target, name: str):
     from dflash_jax.quantization import dequantize, quantize
 
     variant = parse_variant(name)
-    target = quantize_model(float_target, variant.layers)
-    if variant.matrices:
-        target = rounded_in_float(float_target, target, variant)
+    target = rounded_in_float(float_target, variant) if variant.matrices else quantize_model(float_target,
+                                                                                             variant.layers)
     if variant.head is not None:
         dtype = float_target.dtype
         weight_DV = target.unembed(jnp.eye(float_target.cfg.hidden_size, dtype=dtype)).astype(jnp.float32)
@@ -119,15 +118,19 @@ def quantized_variant(float_target, name: str):
     return target
 
 
-def rounded_in_float(float_target, quantized_target, variant: Variant):
-    """`float_target` with each matrix that `quantized_target` holds in 8 bits replaced by the
-    float value of its rounding, per `variant.matrices`' block where named, else the layers'."""
+def rounded_in_float(float_target, variant: Variant):
+    """`float_target` with each matrix that its 8-bit form holds in 8 bits (the abstract
+    quantized model's layout, which has scales beside them) replaced by the float value of its
+    rounding, per `variant.matrices`' block where named, else the layers'."""
     import jax
+    from flax import nnx
 
-    from dflash_jax.models import model_from_params
+    from dflash_jax.models import abstract_model, model_from_params
     from dflash_jax.quantization import dequantize, params_of, quantize
 
-    params, layout = params_of(float_target), params_of(quantized_target)
+    quantized_cfg = dataclasses.replace(float_target.cfg, quantization=variant.layers)
+    layout = nnx.to_pure_dict(nnx.state(abstract_model(quantized_cfg, float_target.dtype), nnx.Param))
+    params = params_of(float_target)
     named = dict(variant.matrices)
     rounded = set()
 
