@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import traceback
 
 import jax
@@ -90,7 +91,94 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
     return y_NC[:, :T].T.astype(x_TK.dtype)
 
 
+def int8_rows(x_TK):
+    """x rounded to int8 per token and block of BLOCK_IN channels: (values [T, K] int8, scales
+    [R, T] float32), each row's numbers its own (a verify block rounds what single steps do)."""
+    T, K = x_TK.shape
+    blocks = x_TK.astype(jnp.float32).reshape(T, K // BLOCK_IN, BLOCK_IN)
+    scales = jnp.max(jnp.abs(blocks), axis=-1) / 127
+    scales = jnp.where(scales > 0, scales, 1)
+    values = jnp.clip(jnp.round(blocks / scales[..., None]), -127, 127).astype(jnp.int8)
+    return values.reshape(T, K), scales.T
+
+
+def int8_activation_reference(x_TK, values_NK, scales_RN):
+    """The product with x rounded by `int8_rows`: per block an exact int32 sum, times the
+    weight's scale, times the row's, added over blocks in order (float32), in x's dtype."""
+    xq, sx_RT = int8_rows(x_TK)
+    R = scales_RN.shape[0]
+    total = None
+    for b in range(R):
+        cols = slice(b * BLOCK_IN, (b + 1) * BLOCK_IN)
+        exact = lax.dot_general(xq[:, cols], values_NK[:, cols], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.int32)
+        partial = exact.astype(jnp.float32) * scales_RN[b][None, :] * sx_RT[b][:, None]
+        total = partial if total is None else total + partial
+    return total.astype(x_TK.dtype)
+
+
+def int8_activation_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n: int = 128, steps: int = 3):
+    """`int8_activation_reference` as one Mosaic GPU kernel: int8 x int8 wgmma into an int32
+    accumulator per block (exact), scaled per weight row and per token into a float32 sum."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    T, K = x_TK.shape
+    N = values_NK.shape[0]
+    columns = -(-T // tile_n) * tile_n
+    xq, sx_RT = int8_rows(jnp.pad(x_TK, ((0, columns - T), (0, 0))))
+
+    def transforms(width: int, operand: str):
+        swizzle = plgpu.find_swizzle(width * 8, operand)
+        return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
+
+    def kernel(a_gmem, b_gmem, sw_gmem, sx_gmem, out_gmem):
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+
+        def step(_, a_smem, b_smem, sw_smem, sx_smem, total):
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            exact = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.int32))
+            sw = plgpu.load(sw_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            sx = plgpu.load(sx_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
+            partial = exact.astype(jnp.float32) * lax.broadcast_in_dim(sw, exact.shape, [0])
+            return total + partial * lax.broadcast_in_dim(sx, exact.shape, [1])
+
+        zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, jnp.float32), plgpu.Layout.WGMMA)
+        total = plgpu.emit_pipeline(
+            step,
+            grid=(K // BLOCK_IN,),
+            in_specs=[
+                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=transforms(BLOCK_IN, "lhs")),
+                plgpu.BlockSpec((tile_n, BLOCK_IN), lambda k: (ni, k), transforms=transforms(BLOCK_IN, "rhs")),
+                plgpu.BlockSpec((1, tile_m), lambda k: (k, mi)),
+                plgpu.BlockSpec((1, tile_n), lambda k: (k, ni)),
+            ],
+            max_concurrent_steps=steps,
+            init_carry=zeros,
+        )(a_gmem, b_gmem, sw_gmem, sx_gmem)
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32))
+        def store(o_smem):
+            o_smem[...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    y_NC = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((N, columns), jnp.float32),
+        grid=(N // tile_m, columns // tile_n),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(values_NK, xq, scales_RN, sx_RT)
+    return y_NC[:, :T].T.astype(x_TK.dtype)
+
+
 TILE_SETTINGS = ((64, 128, 3), (64, 64, 4), (128, 64, 3))  # (tile_m, tile_n, steps)
+PRODUCTS = {"mgpu-int8-b128": block_scaled_product, "mgpu-w8a8-b128": int8_activation_product}
 
 
 def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
@@ -101,13 +189,11 @@ def block_scaled_variants(quantized: dict, K: int, N: int) -> dict:
     ws = [(v.T, s) for v, s in quantized["int8", BLOCK_IN]]
     nbytes = K * N + ws[0][1].size * 4
     variants = {}
-    for tile_m, tile_n, steps in TILE_SETTINGS:
+    for (prefix, product), (tile_m, tile_n, steps) in itertools.product(PRODUCTS.items(), TILE_SETTINGS):
         if N % tile_m:
             continue
-        variants[f"mgpu-int8-b128-m{tile_m}-n{tile_n}-q{steps}"] = (
-            lambda x, v, s, tile_m=tile_m, tile_n=tile_n, steps=steps: block_scaled_product(
-                x, v, s, tile_m=tile_m, tile_n=tile_n, steps=steps),
-            ws, nbytes)
+        variants[f"{prefix}-m{tile_m}-n{tile_n}-q{steps}"] = (
+            functools.partial(product, tile_m=tile_m, tile_n=tile_n, steps=steps), ws, nbytes)
     return variants
 
 
@@ -130,14 +216,16 @@ def main(argv=None) -> int:
     failed = 0
     for T in (int(r) for r in args.rows.split(",")):
         x = jax.random.normal(jax.random.key(T), (T, K), jnp.float32).astype(jnp.bfloat16)
-        expected = quantized_matmul_reference(x, values, scales, BLOCK_IN).astype(jnp.float32)
-        for tile_m, tile_n, steps in TILE_SETTINGS:
-            setting = f"rows {T} tile_m {tile_m} tile_n {tile_n} steps {steps}"
+        expected = {block_scaled_product: quantized_matmul_reference(x, values, scales, BLOCK_IN),
+                    int8_activation_product: jax.jit(int8_activation_reference)(x, values.T, scales)}
+        for (prefix, product), (tile_m, tile_n, steps) in itertools.product(PRODUCTS.items(), TILE_SETTINGS):
+            setting = f"{prefix} rows {T} tile_m {tile_m} tile_n {tile_n} steps {steps}"
+            reference = expected[product].astype(jnp.float32)
             try:
-                y = jax.jit(functools.partial(block_scaled_product, tile_m=tile_m, tile_n=tile_n, steps=steps))(
+                y = jax.jit(functools.partial(product, tile_m=tile_m, tile_n=tile_n, steps=steps))(
                     x, values.T, scales)
-                print(f"{setting}: largest error {float(jnp.abs(y.astype(jnp.float32) - expected).max()):.3g} "
-                      f"(largest |y| {float(jnp.abs(expected).max()):.3g})", flush=True)
+                print(f"{setting}: largest error {float(jnp.abs(y.astype(jnp.float32) - reference).max()):.3g} "
+                      f"(largest |y| {float(jnp.abs(reference).max()):.3g})", flush=True)
             except Exception:  # a prototype on trial: every failure shown whole
                 failed += 1
                 print(f"{setting}: FAILED", flush=True)
