@@ -74,21 +74,38 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
             init_carry=zeros,
         )(a_gmem, b_gmem, s_gmem)
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32))
-        def store(o_smem):
-            o_smem[...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _store(total, out_gmem, mi, ni)
 
-    y_NC = plgpu.kernel(
+    y_NC = _launch(kernel, N, columns, tile_m, tile_n)(values_NK, xT, scales_RN)
+    return y_NC[:, :T].T.astype(x_TK.dtype)
+
+
+def _store(total, out_gmem, mi, ni):
+    """A program's float32 result tile [tile_m, tile_n] through shared memory to its place."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    tile_m, tile_n = total.shape
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32))
+    def store(o_smem):
+        o_smem[...] = total
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _launch(kernel, N: int, columns: int, tile_m: int, tile_n: int):
+    """`kernel` over a grid of tile_m weight rows x tile_n columns of x^T, one warpgroup each,
+    its result y^T [N, columns] in float32."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((N, columns), jnp.float32),
         grid=(N // tile_m, columns // tile_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(values_NK, xT, scales_RN)
-    return y_NC[:, :T].T.astype(x_TK.dtype)
+    )
 
 
 def int8_rows(x_TK):
@@ -160,20 +177,9 @@ def int8_activation_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, til
             init_carry=zeros,
         )(a_gmem, b_gmem, sw_gmem, sx_gmem)
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32))
-        def store(o_smem):
-            o_smem[...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _store(total, out_gmem, mi, ni)
 
-    y_NC = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((N, columns), jnp.float32),
-        grid=(N // tile_m, columns // tile_n),
-        grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(values_NK, xq, scales_RN, sx_RT)
+    y_NC = _launch(kernel, N, columns, tile_m, tile_n)(values_NK, xq, scales_RN, sx_RT)
     return y_NC[:, :T].T.astype(x_TK.dtype)
 
 
