@@ -309,3 +309,21 @@ def test_the_agreement_benchmark_gives_named_matrices_their_own_blocks(float_pai
     assert mixed_moves > 1e-3  # the named matrix's rounding changed
     with pytest.raises(ValueError, match="no 8-bit form"):
         quantized_variant(target, "int8@lm_head/16")
+
+
+def test_the_activation_probe_rounds_each_token_on_its_own():
+    """The W8A8 probe's rounding: each token's group of channels on one int8 scale (the last
+    partial group too), the same numbers whatever tokens share the call."""
+    from bench.acceptance.activation_rounding import rounded_through_int8
+
+    x = np.random.default_rng(0).normal(size=(6, 40)).astype(np.float32)
+    x[2, 3] = 50.0  # one outlier widens its own group's step only
+    rounded = np.asarray(rounded_through_int8(x, 16))
+    for lo in (0, 16, 32):
+        group = x[:, lo:lo + 16]
+        step = np.abs(group).max(axis=1, keepdims=True) / 127
+        assert np.all(np.abs(rounded[:, lo:lo + 16] - group) <= step / 2 + 1e-6)
+    np.testing.assert_array_equal(np.asarray(rounded_through_int8(x[2:3], 16)), rounded[2:3])
+    assert np.abs(rounded[2, 16:] - x[2, 16:]).max() < 0.05 < np.abs(rounded[2, :16] - x[2, :16]).max()
+    whole = np.asarray(rounded_through_int8(x, 0))
+    assert np.abs(whole[2] - x[2]).max() > np.abs(rounded[2, 16:] - x[2, 16:]).max()

@@ -108,11 +108,12 @@ def _launch(kernel, N: int, columns: int, tile_m: int, tile_n: int):
     )
 
 
-def int8_rows(x_TK):
-    """x rounded to int8 per token and block of BLOCK_IN channels: (values [T, K] int8, scales
-    [R, T] float32), each row's numbers its own (a verify block rounds what single steps do)."""
+def int8_rows(x_TK, group: int = BLOCK_IN):
+    """x rounded to int8 per token and block of `group` channels: (values [T, K] int8, scales
+    [K / group, T] float32), each row's numbers its own (a verify block rounds what single
+    steps do)."""
     T, K = x_TK.shape
-    blocks = x_TK.astype(jnp.float32).reshape(T, K // BLOCK_IN, BLOCK_IN)
+    blocks = x_TK.astype(jnp.float32).reshape(T, K // group, group)
     scales = jnp.max(jnp.abs(blocks), axis=-1) / 127
     scales = jnp.where(scales > 0, scales, 1)
     values = jnp.clip(jnp.round(blocks / scales[..., None]), -127, 127).astype(jnp.int8)
