@@ -327,3 +327,21 @@ def test_the_activation_probe_rounds_each_token_on_its_own():
     assert np.abs(rounded[2, 16:] - x[2, 16:]).max() < 0.05 < np.abs(rounded[2, :16] - x[2, :16]).max()
     whole = np.asarray(rounded_through_int8(x, 0))
     assert np.abs(whole[2] - x[2]).max() > np.abs(rounded[2, 16:] - x[2, 16:]).max()
+
+
+def test_the_activation_probe_rounds_only_the_8_bit_products_inputs(float_pair):
+    """`with_rounded_inputs` moves an 8-bit target's logits a little (both scale layouts, the
+    whole row's scale more than a group's), and leaves a float target's alone."""
+    from bench.acceptance.activation_rounding import with_rounded_inputs
+    from bench.acceptance.quantized_agreement import quantized_variant
+
+    _, folder, _ = float_pair
+    target = dflash_jax.load_target(folder, dtype="float32")
+    for name in ("int8/16", "int8"):
+        weights_only = logits_of(quantized_variant(target, name))
+        moved = {group: np.abs(logits_of(with_rounded_inputs(quantized_variant(target, name), group))
+                               - weights_only).max() for group in (16, 0)}
+        assert 1e-4 < moved[16] < moved[0] < 0.1 * np.abs(weights_only).max()
+    float_logits = logits_of(target)
+    np.testing.assert_array_equal(logits_of(with_rounded_inputs(dflash_jax.load_target(folder, dtype="float32"), 16)),
+                                  float_logits)

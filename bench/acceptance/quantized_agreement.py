@@ -32,7 +32,9 @@ from bench import harness
 from bench.acceptance.prompt_sets import add_prompt_arguments, encoded_prompts, tau_per_category
 
 
-def main(argv=None) -> None:
+def main(argv=None, adapt=None) -> None:
+    """`adapt`: a function applied to each quantized variant's target before it runs (other
+    benchmarks' probes: `bench.acceptance.activation_rounding`)."""
     from dflash_jax.demo import DEFAULT_DRAFTER
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,6 +61,8 @@ def main(argv=None) -> None:
     for name in ["float", *args.variants.split(",")]:
         start = time.perf_counter()
         target = float_target if name == "float" else quantized_variant(float_target, name)
+        if adapt is not None and name != "float":
+            target = adapt(target)
         spec = dflash_jax.generate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
                                    block_size=args.block_size)
         results["variants"][name] = {
