@@ -12,9 +12,10 @@ CPU interpret mode that compiles under this project's jax); measured by
 `bench.kernels.quantized_products` (`mgpu-int8-b128-*` variants).
 
 Beside it, a W8A8 form (`mgpu-w8a8-b128-*`): x rounded to int8 per token and block
-(`int8_rows`), int8 x int8 wgmma into an exact int32 sum per block, then both scales. It runs
-at twice bf16's tensor-core rate, but int8 activations miss issue 36's accuracy line
-(bench/results, session 47): kept to measure what that rate would buy, not for the library.
+(`int8_rows`), int8 x int8 wgmma into an exact int32 sum per block, then both scales. Int8
+tensor cores run at twice bf16's rate, yet this form only matches cuBLAS bf16's time at 256
+rows, and int8 activations miss issue 36's accuracy line (bench/results, session 47): kept to
+measure what that rate would buy, not for the library.
 
     python -m bench.kernels.wgmma_block_scaled --rows 3,256   # on a GPU: each tile setting's
                                                               # largest error, or its traceback
