@@ -48,22 +48,11 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
     columns = -(-T // tile_n) * tile_n
     xT = jnp.pad(x_TK, ((0, columns - T), (0, 0))).T.astype(jnp.bfloat16)  # [K, columns]
 
-    def transforms(bits: int, width: int, operand: str):
-        swizzle = plgpu.find_swizzle(width * bits, operand)
-        return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
-
     def kernel(a_gmem, b_gmem, s_gmem, out_gmem):
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
 
         def step(_, a_smem, b_smem, s_smem, total):
-            a = a_smem[...].astype(jnp.bfloat16)
-
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, a, b_smem)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
-            partial = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+            partial = _block_product(a_smem[...].astype(jnp.bfloat16), b_smem, (tile_m, tile_n), jnp.float32)
             scale = plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
             return total + partial * lax.broadcast_in_dim(scale, partial.shape, [0])
 
@@ -72,8 +61,8 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
             step,
             grid=(K // BLOCK_IN,),
             in_specs=[
-                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=transforms(8, BLOCK_IN, "lhs")),
-                plgpu.BlockSpec((BLOCK_IN, tile_n), lambda k: (k, ni), transforms=transforms(16, tile_n, "rhs")),
+                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=_transforms(8, BLOCK_IN, "lhs")),
+                plgpu.BlockSpec((BLOCK_IN, tile_n), lambda k: (k, ni), transforms=_transforms(16, tile_n, "rhs")),
                 plgpu.BlockSpec((1, tile_m), lambda k: (k, mi)),
             ],
             max_concurrent_steps=steps,
@@ -84,6 +73,28 @@ def block_scaled_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, tile_n
 
     y_NC = _launch(kernel, N, columns, tile_m, tile_n)(values_NK, xT, scales_RN)
     return y_NC[:, :T].T.astype(x_TK.dtype)
+
+
+def _transforms(bits: int, width: int, operand: str):
+    """The shared-memory tiling and swizzle of a wgmma operand whose rows hold `width` values
+    of `bits` bits."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(width * bits, operand)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _block_product(a, b, shape: tuple[int, int], dtype):
+    """a @ b by wgmma into a fresh accumulator of `shape` and `dtype` (float32, or int32 for
+    int8 operands), waited for and read back: one scale block's partial product."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, dtype))
 
 
 def _store(total, out_gmem, mi, ni):
@@ -151,20 +162,11 @@ def int8_activation_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, til
     columns = -(-T // tile_n) * tile_n
     xq, sx_RT = int8_rows(jnp.pad(x_TK, ((0, columns - T), (0, 0))))
 
-    def transforms(width: int, operand: str):
-        swizzle = plgpu.find_swizzle(width * 8, operand)
-        return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
-
     def kernel(a_gmem, b_gmem, sw_gmem, sx_gmem, out_gmem):
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
 
         def step(_, a_smem, b_smem, sw_smem, sx_smem, total):
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
-            exact = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.int32))
+            exact = _block_product(a_smem, plgpu.transpose_ref(b_smem, (1, 0)), (tile_m, tile_n), jnp.int32)
             sw = plgpu.load(sw_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
             sx = plgpu.load(sx_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))
             partial = exact.astype(jnp.float32) * lax.broadcast_in_dim(sw, exact.shape, [0])
@@ -175,8 +177,8 @@ def int8_activation_product(x_TK, values_NK, scales_RN, *, tile_m: int = 64, til
             step,
             grid=(K // BLOCK_IN,),
             in_specs=[
-                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=transforms(BLOCK_IN, "lhs")),
-                plgpu.BlockSpec((tile_n, BLOCK_IN), lambda k: (ni, k), transforms=transforms(BLOCK_IN, "rhs")),
+                plgpu.BlockSpec((tile_m, BLOCK_IN), lambda k: (mi, k), transforms=_transforms(8, BLOCK_IN, "lhs")),
+                plgpu.BlockSpec((tile_n, BLOCK_IN), lambda k: (ni, k), transforms=_transforms(8, BLOCK_IN, "rhs")),
                 plgpu.BlockSpec((1, tile_m), lambda k: (k, mi)),
                 plgpu.BlockSpec((1, tile_n), lambda k: (k, ni)),
             ],
