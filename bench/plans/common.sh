@@ -1,5 +1,5 @@
 # Shared by the one-call device plans (headline.sh, compare.sh, tensor_parallel.sh,
-# xla_graphs.sh); sourced, from the repository root, with the plan's arguments: COMMIT; $OUT
+# xla_flags.sh); sourced, from the repository root, with the plan's arguments: COMMIT; $OUT
 # the results folder; SMALL=1 for a CPU smoke test.
 set -uo pipefail
 commit=${1:?usage: bash $0 COMMIT (with OUT set)}
