@@ -2,7 +2,7 @@
 # XLA flag sets against each other in one device call: bench.decode.speed's generate section
 # (the AR step and the DFlash cycle) per model under each set, sets in the order given (name
 # the base first and last to see the drift between runs), then the compiled kernels' GPU
-# tests under the last set that is not the base (TESTS=0 skips them). Results under $OUT; a
+# tests under the last set that is not the base (TESTS=0 skips them; TEST_FILES: which). Results under $OUT; a
 # table (bench.decode.summary) last.
 #
 #   OUT=... bash bench/plans/xla_flags.sh COMMIT
@@ -31,7 +31,7 @@ for model in ${MODELS:-qwen3-30b-a3b gpt-oss-20b qwen3-8b}; do
 done
 if [ "${TESTS:-1}" = 1 ] && [ -n "$tested" ]; then
     echo "== gpu tests under XLA_FLAGS=$tested"
-    XLA_FLAGS=$tested timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$out/gpu_tests.log" 2>&1
+    XLA_FLAGS=$tested timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider ${TEST_FILES:-tests} > "$out/gpu_tests.log" 2>&1
     echo "   rc=$? $(tail -1 "$out/gpu_tests.log")"
 fi
 python3 -m bench.decode.summary "$out"
