@@ -22,11 +22,16 @@ weights (so every expert streams from HBM), times:
 Reports us per layer (the device's busy time from a profiler trace on a GPU, the wall time
 elsewhere: `quantized_products.time_chain`), the distinct experts the tokens touch, and the
 read rate over those experts' bytes (what a grouped-expert kernel must stream at least).
+
+`--sweep` times the grouped kernel's tilings (`pallas_kernels.quantized_matmul.Tiling`) on
+each of the two products alone (gate_up over the token rows, down over the tiles' rows) at
+the rows of `--sweep-rows`, against the default (`grouped_tiling`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 from bench import harness
@@ -41,7 +46,9 @@ def main(argv=None):
     from bench.kernels.quantized_products import time_chain
     from dflash_jax.config import parse_config
     from dflash_jax.experts import experts_product, sorted_pairs_product, swiglu
-    from pallas_kernels.grouped_matmul import grouped_matmul_pallas
+    from pallas_kernels.grouped_matmul import (expert_tiles, grouped_matmul_pallas, grouped_matmul_reference,
+                                               grouped_tiling, tile_rows)
+    from pallas_kernels.quantized_matmul import Tiling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_output_arguments(parser, out_default="moe_products.json")
@@ -51,6 +58,9 @@ def main(argv=None):
     parser.add_argument("--copies", type=int, default=6, help="distinct layers' experts chained")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--variants", default=None, help="comma list of the variants to time (default: all)")
+    parser.add_argument("--sweep", default="", help="block_k : block_n : splits : warps : stages lists of the "
+                        "grouped kernel's tilings, e.g. 64,128:64,128:1,2,4:4:3,4 ('' for none)")
+    parser.add_argument("--sweep-rows", default="1", help="the tokens M the sweep runs at")
     args = parser.parse_args(argv)
     record = harness.Record(__spec__.name, args, argv)
     cfg = parse_config(MODELS["small-moe" if args.small else args.model].target)
@@ -131,13 +141,52 @@ def main(argv=None):
             results.append(dict(rows=M, variant=name, **timed, experts_touched=touched,
                                 touched_TBps=touched * expert_bytes / timed["us"] / 1e6))
             print(json.dumps(results[-1]), flush=True)
+    for M in [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []:
+        ids = jnp.asarray(np.stack([rng.permutation(E)[:top_k] for _ in range(M)]).reshape(-1).astype(np.int32))
+        tiles = expert_tiles(ids, E, tile_rows(ids.size, E), top_k)
+        touched = len(np.unique(np.asarray(ids)))
+        for name, K, N in (("gate_up", D, 2 * inter), ("down", inter, D)):
+            key, sub = jax.random.split(key)
+            rows = (M, K) if name == "gate_up" else (*tiles.pair_GM.shape, K)  # token rows, or the tiles' rows
+            x = jax.random.normal(sub, rows, jnp.float32).astype(dtype)
+            chain = [(layer[name],) for (layer,) in layers]
+            expected = grouped_matmul_reference(x, chain[0][0], tiles, top_k=top_k)
+            tilings = [grouped_tiling(K, N, top_k)] + [
+                Tiling(*t) for t in itertools.product(*[[int(v) for v in part.split(",")]
+                                                         for part in args.sweep.split(":")])]
+            for i, tiling in enumerate(tilings):
+                if i and (N % tiling.block_n or K % (tiling.block_k * tiling.splits) or tiling == tilings[0]):
+                    continue
+                fn = lambda x, w, tiling=tiling: grouped_matmul_pallas(x, w, tiles, top_k=top_k, tiling=tiling)[0]
+                variant = "default" if i == 0 else "sweep"
+                try:
+                    timed = time_chain(fn, x, chain, args.reps)
+                except Exception as error:  # a tiling Triton cannot compile is reported, not fatal
+                    results.append(dict(rows=M, variant=variant, matrix=name, tiling=list(tiling.__dict__.values()),
+                                        error=f"{type(error).__name__}: {str(error)[:300]}"))
+                    continue
+                error = float(jnp.abs(grouped_matmul_pallas(x, chain[0][0], tiles, top_k=top_k, tiling=tiling)
+                                      - expected).max())
+                results.append(dict(rows=M, variant=variant, matrix=name, tiling=list(tiling.__dict__.values()),
+                                    **timed, experts_touched=touched, max_error=error,
+                                    touched_TBps=touched * K * N * jnp.dtype(dtype).itemsize / timed["us"] / 1e6))
+                print(json.dumps(results[-1]), flush=True)
     record.write(dict(model=args.model, copies=args.copies, expert_bytes=expert_bytes, timings=results))
     print(f"\n{'M':>4} {'variant':<8} {'us':>9} {'experts':>8} {'TB/s':>6}")
-    for r in results:
+    for r in [r for r in results if "matrix" not in r]:
         if "error" in r:
             print(f"{r['rows']:>4} {r['variant']:<8} failed: {r['error'][:80]}")
             continue
         print(f"{r['rows']:>4} {r['variant']:<8} {r['us']:9.1f} {r['experts_touched']:>8} {r['touched_TBps']:6.2f}")
+    swept = [r for r in results if "matrix" in r and "us" in r]
+    for matrix, M in sorted({(r["matrix"], r["rows"]) for r in swept}):
+        timed = sorted((r for r in swept if (r["matrix"], r["rows"]) == (matrix, M)), key=lambda r: r["us"])
+        default = next(r for r in timed if r["variant"] == "default")
+        print(f"\n{matrix} at {M} tokens: default {default['us']:.1f} us ({default['touched_TBps']:.2f} TB/s) "
+              f"{default['tiling']}; fastest:")
+        for r in timed[:5]:
+            print(f"  {r['us']:8.1f} us {r['touched_TBps']:6.2f} TB/s {r['tiling']} {r['variant']} "
+                  f"max error {r['max_error']:.3g}")
     return 0
 
 
