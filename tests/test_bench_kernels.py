@@ -59,7 +59,7 @@ def test_device_seconds_are_none_without_a_gpu():
 
 @pytest.mark.parametrize("module,args", [
     ("quantized_products", ["--rows", "1", "--matrices", "o", "--sweep", "128:64:1:4:3:64", "--sweep-rows", "1"]),
-    ("moe_products", ["--rows", "1", "--variants", "ragged,pallas"]),
+    ("moe_products", ["--rows", "1", "--variants", "ragged,pallas", "--sweep", "16:16,32:1,2:4:3", "--sweep-rows", "1"]),
 ])
 def test_product_benchmarks_record_both_clocks(module, args, tmp_path):
     import importlib
@@ -71,6 +71,11 @@ def test_product_benchmarks_record_both_clocks(module, args, tmp_path):
     assert timings and not [t for t in timings if "error" in t and not t["variant"].startswith("tokamax")]
     for t in (t for t in timings if "error" not in t):
         assert t["us"] == t["wall_us"] > 0 and t["device_us"] is None  # a CPU: the wall clock
+    if module == "moe_products":  # its tilings: each of the two products, each checked against the reference
+        swept = [t for t in timings if "matrix" in t]
+        assert {(t["matrix"], t["variant"]) for t in swept} == {
+            (m, v) for m in ("gate_up", "down") for v in ("default", "sweep")}
+        assert all(t["max_error"] < 1e-4 for t in swept)
 
 
 def test_hlo_fusions_name_what_a_profiled_kernel_runs(tmp_path):
