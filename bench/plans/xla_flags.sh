@@ -2,8 +2,8 @@
 # XLA flag sets against each other in one device call: bench.decode.speed's generate section
 # (the AR step and the DFlash cycle) per model under each set, sets in the order given (name
 # the base first and last to see the drift between runs), then the compiled kernels' GPU
-# tests under the last set that is not the base (TESTS=0 skips them; TEST_FILES: which). Results under $OUT; a
-# table (bench.decode.summary) last.
+# tests under the last set that is not the base (TESTS=0 skips them; TEST_FILES: which).
+# Results under $OUT; a table (bench.decode.summary) last.
 #
 #   OUT=... bash bench/plans/xla_flags.sh COMMIT
 #     FLAG_SETS  label=flags pairs separated by ";" (default "base=;pdl=--xla_gpu_enable_pdl=true;base=");
