@@ -151,14 +151,15 @@ def main(argv=None):
             x = jax.random.normal(sub, rows, jnp.float32).astype(dtype)
             chain = [(layer[name],) for (layer,) in layers]
             expected = grouped_matmul_reference(x, chain[0][0], tiles, top_k=top_k)
-            if grouped_tiling(K, N, top_k) is None:  # no tile fits: the kernel takes its reference
+            default = grouped_tiling(K, N, top_k)
+            if default is None:  # no tile fits: the kernel takes its reference
                 results.append(dict(rows=M, variant="default", matrix=name, error=f"no tiling fits [{K}, {N}]"))
                 continue
-            tilings = [grouped_tiling(K, N, top_k)] + [
+            tilings = [default] + [
                 Tiling(*t) for t in itertools.product(*[[int(v) for v in part.split(",")]
                                                          for part in args.sweep.split(":")])]
             for i, tiling in enumerate(tilings):
-                if i and (N % tiling.block_n or K % (tiling.block_k * tiling.splits) or tiling == tilings[0]):
+                if i and (N % tiling.block_n or K % (tiling.block_k * tiling.splits) or tiling == default):
                     continue
                 fn = lambda x, w, tiling=tiling: grouped_matmul_pallas(x, w, tiles, top_k=top_k, tiling=tiling)[0]
                 variant = "default" if i == 0 else "sweep"
@@ -168,10 +169,10 @@ def main(argv=None):
                     results.append(dict(rows=M, variant=variant, matrix=name, tiling=list(tiling.__dict__.values()),
                                         error=f"{type(error).__name__}: {str(error)[:300]}"))
                     continue
-                error = float(jnp.abs(grouped_matmul_pallas(x, chain[0][0], tiles, top_k=top_k, tiling=tiling)
-                                      - expected).max())
+                max_error = float(jnp.abs(grouped_matmul_pallas(x, chain[0][0], tiles, top_k=top_k, tiling=tiling)
+                                          - expected).max())
                 results.append(dict(rows=M, variant=variant, matrix=name, tiling=list(tiling.__dict__.values()),
-                                    **timed, experts_touched=touched, max_error=error,
+                                    **timed, experts_touched=touched, max_error=max_error,
                                     touched_TBps=touched * K * N * jnp.dtype(dtype).itemsize / timed["us"] / 1e6))
                 print(json.dumps(results[-1]), flush=True)
     record.write(dict(model=args.model, copies=args.copies, expert_bytes=expert_bytes, timings=results))
@@ -184,9 +185,9 @@ def main(argv=None):
     swept = [r for r in results if "matrix" in r and "us" in r]
     for matrix, M in sorted({(r["matrix"], r["rows"]) for r in swept}):
         timed = sorted((r for r in swept if (r["matrix"], r["rows"]) == (matrix, M)), key=lambda r: r["us"])
-        default = next((r for r in timed if r["variant"] == "default"), None)
-        print(f"\n{matrix} at {M} tokens: " + ("default failed" if default is None else
-              f"default {default['us']:.1f} us ({default['touched_TBps']:.2f} TB/s) {default['tiling']}") + "; fastest:")
+        first = next((r for r in timed if r["variant"] == "default"), None)
+        print(f"\n{matrix} at {M} tokens: " + ("default failed" if first is None else
+              f"default {first['us']:.1f} us ({first['touched_TBps']:.2f} TB/s) {first['tiling']}") + "; fastest:")
         for r in timed[:5]:
             print(f"  {r['us']:8.1f} us {r['touched_TBps']:6.2f} TB/s {r['tiling']} {r['variant']} "
                   f"max error {r['max_error']:.3g}")
